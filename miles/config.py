@@ -1,0 +1,260 @@
+"""Typed configs: one small dataclass per component, composed into a RunConfig, validated when built.
+
+Each field is documented once, next to itself. A recipe (miles.recipes) returns a RunConfig; the CLI and
+notebooks change a few fields with ``apply_overrides(cfg, ["trainer.lr=1e-4"])``, which parses each value by
+the field's type and re-runs validation, so every error names the value and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Literal
+
+from miles.model.config import ModelConfig
+
+ROLLOUT_LEVELS = ("kv_cache", "weight")
+
+
+@dataclass(kw_only=True, slots=True)
+class TaskConfig:
+    name: Literal["reverse", "sort", "add", "copy", "chat_reverse", "swe"] = "reverse"
+    min_len: int = 3  # shortest problem (letters or digits)
+    max_len: int = 5  # longest problem
+    alphabet: str = "abcdef"  # letters used by the letter tasks
+    reward: str = ""  # "module:function" to replace the task's own reward; see miles.rollout.tasks.RewardFn
+
+    def __post_init__(self):
+        if not 1 <= self.min_len <= self.max_len:
+            raise ValueError(f"task.min_len = {self.min_len}, task.max_len = {self.max_len}: need 1 <= min_len <= max_len")
+        if len(set(self.alphabet)) < 2:
+            raise ValueError(f"task.alphabet = {self.alphabet!r} needs at least two distinct characters")
+
+
+@dataclass(kw_only=True, slots=True)
+class RolloutConfig:
+    num_prompts_per_step: int = 8  # prompts per RL step (groups)
+    n_samples_per_prompt: int = 4  # completions per prompt (group size for advantages)
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    engine: Literal["embedded", "http"] = "embedded"  # in-process engine, or the same engine over HTTP
+    num_engines: int = 1
+    max_batch_size: int = 256  # KV cache rows preallocated per engine
+    max_seq_len: int = 0  # KV cache length; 0 = model.max_position_embeddings
+    normalize_advantages_std: bool = True  # GRPO: (r - mean) / std within a group; False: r - mean only
+
+    def __post_init__(self):
+        for name in ("num_prompts_per_step", "n_samples_per_prompt", "max_new_tokens", "num_engines", "max_batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"rollout.{name} = {getattr(self, name)} must be >= 1")
+        if not self.temperature > 0:
+            raise ValueError(f"rollout.temperature = {self.temperature} must be > 0 (greedy: use a small value like 1e-5)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"rollout.top_p = {self.top_p} must be in (0, 1]")
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainerConfig:
+    backend: Literal["torch", "megatron"] = "torch"
+    world_size: int = 1  # data-parallel ranks (FSDP2 when > 1)
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.99)
+    max_grad_norm: float = 1.0
+    loss: Literal["grpo", "gspo", "ppo"] = "grpo"
+    eps_clip: float = 0.2  # lower ratio clip (1 - eps_clip)
+    eps_clip_high: float = 0.28  # upper ratio clip (1 + eps_clip_high)
+    kl_coef: float = 0.0  # KL to the initial (reference) policy; 0 keeps no reference model
+    entropy_coef: float = 0.0
+    num_minibatches: int = 1  # optimizer steps per rollout batch
+    logprob_chunk_size: int = 1024  # tokens per FP32 upcast chunk in the log-prob path
+    warmup_sft_steps: int = 0  # supervised steps on reference answers before RL (not counted as RL steps)
+    warmup_sft_lr: float = 3e-3
+    optimizer: Literal["adamw", "muon"] = "adamw"
+    optimizer_offload: Literal["none", "host", "disk"] = "none"
+    optimizer_offload_dir: str = ""  # for optimizer_offload = "disk": a directory on local NVMe
+    optimizer_offload_chunk_bytes: int = 64 << 20
+    clear_quantized_workspaces_on_offload: bool = True
+    precision: Literal["bf16", "fp8", "mxfp8", "nvfp4"] = "bf16"  # low-precision recipe for Linear layers
+
+    def __post_init__(self):
+        if self.world_size < 1:
+            raise ValueError(f"trainer.world_size = {self.world_size} must be >= 1")
+        if not 0 < self.lr < 1:
+            raise ValueError(f"trainer.lr = {self.lr} is out of range; use a value in (0, 1), e.g. 1e-4")
+        if not 0 <= self.eps_clip < 1 or self.eps_clip_high < 0:
+            raise ValueError(f"trainer.eps_clip = {self.eps_clip} must be in [0, 1) and eps_clip_high >= 0")
+        if self.num_minibatches < 1 or self.logprob_chunk_size < 1:
+            raise ValueError("trainer.num_minibatches and trainer.logprob_chunk_size must be >= 1")
+        if self.optimizer_offload == "disk" and not self.optimizer_offload_dir:
+            raise ValueError("trainer.optimizer_offload = 'disk' needs trainer.optimizer_offload_dir (a local NVMe directory)")
+
+
+@dataclass(kw_only=True, slots=True)
+class SyncConfig:
+    transport: Literal["tensor", "broadcast", "rdt", "disk-delta"] = "tensor"
+    update_weight_buffer_size: int = 512 << 20  # bytes per bucket
+    check_weights: bool = False  # compare engine and trainer weights bit-for-bit after every sync
+    disk_delta_dir: str = ""  # for transport = "disk-delta"; "" = <run_dir>/weights
+
+    def __post_init__(self):
+        if self.update_weight_buffer_size < 1 << 10:
+            raise ValueError(f"sync.update_weight_buffer_size = {self.update_weight_buffer_size} bytes is too small; use >= 1 KiB")
+
+
+@dataclass(kw_only=True, slots=True)
+class HandoffConfig:
+    colocate_memory_peak_device: Literal["cpu", "gpu", "auto"] = "cpu"
+    offload_train: Literal["host", "disk", "none"] = "host"  # where the trainer's tags go between steps
+    offload_rollout: bool = True  # release engine memory while training
+    offload_rollout_level: tuple[str, ...] = ROLLOUT_LEVELS  # engine tags released: subset of kv_cache, weight
+    engine_host_mirror: bool = False  # keep a host copy of engine weights instead of waiting for the sync
+    hardware: str = "auto"  # hardware profile for 'auto' and the planner (see miles.hardware)
+
+    def __post_init__(self):
+        bad = [lvl for lvl in self.offload_rollout_level if lvl not in ROLLOUT_LEVELS]
+        if bad:
+            raise ValueError(f"handoff.offload_rollout_level has unknown level(s) {bad}; valid levels: {list(ROLLOUT_LEVELS)}")
+        if self.colocate_memory_peak_device == "gpu" and (self.offload_train == "none" or not self.offload_rollout):
+            raise ValueError(
+                "handoff.colocate_memory_peak_device = 'gpu' needs offload_train and offload_rollout; "
+                "set handoff.offload_train=host (or disk) and handoff.offload_rollout=true, or use 'cpu'")
+
+
+@dataclass(kw_only=True, slots=True)
+class RunConfig:
+    recipe: str = "custom"
+    seed: int = 0
+    num_steps: int = 20  # RL steps
+    run_dir: str = "runs/latest"
+    checkpoint_every: int = 10  # RL steps between checkpoints (0: only at the end)
+    resume: bool = True  # continue from the last complete checkpoint in run_dir
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    ray_address: str = ""  # "" starts a local Ray; "ray://host:10001" or "auto" joins a cluster
+    num_threads: int = 0  # torch threads per actor; 0 = all cores
+    dump_rollouts: bool = True  # per-step samples and per-token columns for the dashboard
+    model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    handoff: HandoffConfig = field(default_factory=HandoffConfig)
+
+    def __post_init__(self):
+        if self.num_steps < 0 or self.checkpoint_every < 0:
+            raise ValueError(f"num_steps = {self.num_steps} and checkpoint_every = {self.checkpoint_every} must be >= 0")
+        if self.rollout.num_prompts_per_step * self.rollout.n_samples_per_prompt % self.trainer.world_size:
+            raise ValueError(
+                f"rollout.num_prompts_per_step * n_samples_per_prompt = "
+                f"{self.rollout.num_prompts_per_step * self.rollout.n_samples_per_prompt} samples cannot be split over "
+                f"trainer.world_size = {self.trainer.world_size} ranks; make it a multiple")
+        if self.trainer.backend == "megatron" and self.device == "cpu":
+            raise ValueError("trainer.backend = 'megatron' needs a GPU; use device=cuda or trainer.backend=torch")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "RunConfig":
+        return _build(cls, d, "")
+
+
+def _build(cls, d: dict, prefix: str):
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    kw = {}
+    for k, v in d.items():
+        if k not in names:
+            raise ValueError(f"unknown config field {prefix + k!r}; valid fields: {sorted(names)}")
+        t = hints[k]
+        kw[k] = _build(t, v, f"{prefix}{k}.") if dataclasses.is_dataclass(t) else _coerce(v, t, prefix + k)
+    return cls(**kw)
+
+
+def _coerce(value, tp, path: str):
+    """Parse a string (from --set) or check a JSON value against the field's type."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is Literal:
+        if value not in args:
+            raise ValueError(f"{path} = {value!r} is not one of {list(args)}")
+        return value
+    if origin in (types.UnionType, typing.Union):
+        if value in (None, "none", "None") and type(None) in args:
+            return None
+        return _coerce(value, next(a for a in args if a is not type(None)), path)
+    if origin is tuple:
+        items = [s.strip() for s in value.split(",") if s.strip()] if isinstance(value, str) else list(value)
+        elem = args[0]
+        if len(args) != 2 or args[1] is not Ellipsis:
+            if len(items) != len(args):
+                raise ValueError(f"{path} = {value!r} needs {len(args)} comma-separated values")
+            return tuple(_coerce(x, a, path) for x, a in zip(items, args))
+        return tuple(_coerce(x, elem, path) for x in items)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        low = str(value).lower()
+        if low in ("1", "true", "yes", "on"):
+            return True
+        if low in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"{path} = {value!r} is not a boolean; use true or false")
+    if tp in (int, float):
+        if isinstance(value, bool):
+            raise ValueError(f"{path} = {value!r} should be {tp.__name__}, got a boolean")
+        try:
+            if tp is int:
+                if isinstance(value, float) and not value.is_integer():
+                    raise ValueError
+                return int(value) if not isinstance(value, str) else _parse_int(value)
+            return float(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"{path} = {value!r} is not {'an integer' if tp is int else 'a number'}") from None
+    if tp is str:
+        return str(value)
+    return value
+
+
+_SUFFIXES = {"k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30}
+
+
+def _parse_int(s: str) -> int:
+    low = s.strip().lower().replace("_", "")
+    for suffix, mult in sorted(_SUFFIXES.items(), key=lambda kv: -len(kv[0])):
+        if low.endswith(suffix) and low[: -len(suffix)].replace(".", "", 1).isdigit():
+            return int(float(low[: -len(suffix)]) * mult)
+    f = float(low)
+    if not f.is_integer():
+        raise ValueError
+    return int(f)
+
+
+def apply_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
+    """Return a new config with ``["section.field=value", ...]`` applied and validated."""
+    d = cfg.to_dict()
+    for item in overrides:
+        if "=" not in item:
+            raise ValueError(f"override {item!r} should look like section.field=value, e.g. trainer.lr=1e-4")
+        key, raw = item.split("=", 1)
+        node, cls, parts = d, RunConfig, key.strip().split(".")
+        for i, part in enumerate(parts):
+            hints = typing.get_type_hints(cls)
+            if part not in hints:
+                where = ".".join(parts[:i]) or "the run config"
+                raise ValueError(f"unknown config field {key!r}: {where} has no field {part!r}; valid: {sorted(hints)}")
+            if i < len(parts) - 1:
+                if not dataclasses.is_dataclass(hints[part]):
+                    raise ValueError(f"{'.'.join(parts[: i + 1])} is a value, not a section; drop the rest of {key!r}")
+                node, cls = node[part], hints[part]
+            else:
+                if dataclasses.is_dataclass(hints[part]):
+                    raise ValueError(f"{key!r} is a section; set one of its fields, e.g. {key}.{sorted(typing.get_type_hints(hints[part]))[0]}=...")
+                node[part] = _coerce(raw.strip(), hints[part], key)
+    return RunConfig.from_dict(d)

@@ -1,0 +1,1 @@
+"""The policy's math: per-token log-probs and entropy in model precision, advantages and losses."""
