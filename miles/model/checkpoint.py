@@ -1,0 +1,68 @@
+"""Hugging Face checkpoint I/O: ``config.json`` + ``model.safetensors`` written atomically, and loading from
+an HF directory or a GGUF file (through transformers' GGUF reader, offline)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save
+
+from miles.atomic import atomic_write_bytes, atomic_write_text
+from miles.model.config import ModelConfig
+
+
+def save_hf(model, directory: str | os.PathLike) -> None:
+    d = Path(directory)
+    sd = {k: v.detach().contiguous().cpu() for k, v in model.hf_state_dict().items()}
+    atomic_write_bytes(d / "model.safetensors", save(sd, metadata={"format": "pt"}))
+    atomic_write_text(d / "config.json", json.dumps(model.config.to_hf(), indent=2))
+
+
+def read_hf_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    p = Path(path)
+    if p.suffix == ".gguf":
+        return _read_gguf(p)
+    files = sorted(p.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {p}; expected a Hugging Face style checkpoint directory")
+    sd = {}
+    for f in files:
+        sd.update(load_file(f))
+    return sd
+
+
+def _read_gguf(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        from transformers import AutoModelForCausalLM
+    except ImportError as e:  # pragma: no cover
+        raise ImportError("loading a .gguf checkpoint needs transformers and gguf: pip install 'miles[dev]'") from e
+    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, torch_dtype=torch.float32)
+    return {k: v.detach() for k, v in hf.state_dict().items()}
+
+
+def load_weights(model, path: str | os.PathLike) -> None:
+    sd = read_hf_state_dict(path)
+    own = dict(model.named_parameters())
+    missing = [k for k in own if k not in sd and not (k == "lm_head.weight" and model.config.tie_word_embeddings)]
+    if missing:
+        raise KeyError(f"checkpoint {path} lacks {len(missing)} tensors, e.g. {missing[:3]}; is it the same architecture?")
+    with torch.no_grad():
+        for name, p in own.items():
+            if name in sd:
+                t = sd[name]
+                if tuple(t.shape) != tuple(p.shape):
+                    raise ValueError(f"checkpoint tensor {name} has shape {tuple(t.shape)}, the model expects {tuple(p.shape)}")
+                p.copy_(t.to(p.dtype))
+
+
+def config_from_checkpoint(path: str | os.PathLike, **overrides) -> ModelConfig:
+    p = Path(path)
+    if p.suffix == ".gguf":
+        from transformers import AutoConfig
+
+        hf = AutoConfig.from_pretrained(str(p.parent), gguf_file=p.name).to_dict()
+        return ModelConfig.from_hf(hf, checkpoint=str(p), **overrides)
+    return ModelConfig.from_hf(json.loads((p / "config.json").read_text()), checkpoint=str(p), **overrides)

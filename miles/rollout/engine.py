@@ -1,0 +1,261 @@
+"""The embedded rollout engine: batched generation on a preallocated KV cache, with SGLang's control surface.
+
+It is the CPU default and the reference engine: the same methods are served over HTTP (miles.rollout.server)
+and implemented against real SGLang (miles.rollout.sglang). Memory tags follow SGLang's names: ``weights``,
+``kv_cache``, ``cuda_graph`` (empty here: the embedded engine captures no graphs).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from miles.memory import MemoryLedger, TaggedMemory
+from miles.model.config import ModelConfig
+from miles.model.decoder import KVCache, build_decoder
+from miles.policy.logprob import log_probs_and_entropy
+
+ENGINE_TAGS = ("weights", "kv_cache", "cuda_graph")
+
+
+@dataclass(kw_only=True, slots=True)
+class SamplingParams:
+    max_new_tokens: int = 16
+    temperature: float = 1.0  # 0 = greedy (log-probs then reported at temperature 1)
+    top_p: float = 1.0
+    stop_token_ids: tuple[int, ...] = ()
+
+
+@dataclass(kw_only=True, slots=True)
+class GenerateRequest:
+    rid: str
+    input_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+
+
+@dataclass(kw_only=True, slots=True)
+class GenerateOutput:
+    rid: str
+    output_ids: list[int]
+    output_log_probs: list[float]
+    finish_reason: str  # "stop" | "length" | "abort"
+    weight_version: int
+
+
+class EngineError(ValueError):
+    """Bad input to the engine (the engine itself keeps serving)."""
+
+
+class EmbeddedEngine:
+    """Generates with the current weights; weights and KV cache can be released and resumed between steps.
+
+    engine = EmbeddedEngine(model_cfg, max_batch_size=64, max_seq_len=128)
+    outs = engine.generate([GenerateRequest(rid="0", input_ids=[1, 2, 3])])
+    engine.release_memory(["kv_cache", "weights"])      # while the trainer runs
+    engine.resume_memory(["weights"]); engine.update_weights_from_tensor(named, version=1)
+    engine.resume_memory(["kv_cache"])
+    """
+
+    def __init__(self, model_cfg: ModelConfig, *, max_batch_size: int = 64, max_seq_len: int = 0, device="cpu",
+                 seed: int = 0, ledger: MemoryLedger | None = None, owner: str = "engine/0",
+                 weights_policy: str = "discard", logprob_chunk_size: int = 1024):
+        self.cfg, self.device = model_cfg, torch.device(device)
+        self.max_batch_size = max_batch_size
+        self.max_seq_len = max_seq_len or model_cfg.max_position_embeddings
+        self.logprob_chunk_size = logprob_chunk_size
+        self.model = build_decoder(model_cfg, seed=seed, device=self.device).eval().requires_grad_(False)
+        self.cache = KVCache.allocate(model_cfg, max_batch_size, self.max_seq_len, self.device, next(self.model.parameters()).dtype)
+        self.ledger = ledger or MemoryLedger()
+        self.memory = TaggedMemory(owner, self.ledger, self.device)
+        self.memory.register("weights", self.model.parameters(), policy=weights_policy)
+        self.memory.register("kv_cache", self.cache.tensors(), policy="discard")
+        self.memory.register("cuda_graph", [], policy="discard")
+        self.weight_version = 0
+        self._lock = threading.RLock()  # held by each forward step and by weight updates
+        self._running = threading.Event()
+        self._running.set()  # cleared by pause_generation(mode="in_place")
+        self._aborted: set[str] = set()
+        self._abort_all = False
+        self._params = dict(self.model.named_parameters())
+
+    # ---- generation -------------------------------------------------------------------------------------
+    def generate(self, requests: list[GenerateRequest], *, seed: int | None = None) -> list[GenerateOutput]:
+        for r in requests:
+            self._check_request(r)
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed(seed if seed is not None else torch.seed() & 0x7FFFFFFF)
+        out: dict[str, GenerateOutput] = {}
+        by_params: dict[tuple, list[GenerateRequest]] = {}
+        for r in requests:
+            s = r.sampling
+            by_params.setdefault((s.max_new_tokens, s.temperature, s.top_p, s.stop_token_ids), []).append(r)
+        for group in by_params.values():
+            for i in range(0, len(group), self.max_batch_size):
+                for o in self._generate_batch(group[i : i + self.max_batch_size], gen):
+                    out[o.rid] = o
+        self._abort_all = False
+        return [out[r.rid] for r in requests]
+
+    def _check_request(self, r: GenerateRequest) -> None:
+        if not r.input_ids:
+            raise EngineError(f"request {r.rid}: input_ids is empty; send at least one token")
+        bad = [t for t in r.input_ids if not 0 <= int(t) < self.cfg.vocab_size]
+        if bad:
+            raise EngineError(f"request {r.rid}: token ids {bad[:5]} are outside the vocabulary [0, {self.cfg.vocab_size})")
+        need = len(r.input_ids) + r.sampling.max_new_tokens
+        if need > self.max_seq_len:
+            raise EngineError(f"request {r.rid}: prompt {len(r.input_ids)} + max_new_tokens {r.sampling.max_new_tokens} = "
+                              f"{need} exceeds the engine's max_seq_len {self.max_seq_len}; shorten it or raise rollout.max_seq_len")
+        if self.memory.is_paused("weights") or self.memory.is_paused("kv_cache"):
+            raise EngineError("the engine's memory is released; call resume_memory(['weights', 'kv_cache']) before generate")
+
+    @torch.no_grad()
+    def _generate_batch(self, reqs: list[GenerateRequest], gen: torch.Generator) -> list[GenerateOutput]:
+        sp, dev = reqs[0].sampling, self.device
+        B, P = len(reqs), max(len(r.input_ids) for r in reqs)
+        L = P + sp.max_new_tokens
+        pad = [P - len(r.input_ids) for r in reqs]
+        ids = torch.zeros(B, P, dtype=torch.long, device=dev)
+        valid = torch.zeros(B, L, dtype=torch.bool, device=dev)
+        for b, r in enumerate(reqs):
+            ids[b, pad[b]:] = torch.tensor(r.input_ids, device=dev)
+            valid[b, pad[b] : P] = True
+        pad_t = torch.tensor(pad, device=dev)
+        pos = (torch.arange(P, device=dev)[None] - pad_t[:, None]).clamp_min(0)
+        causal = torch.ones(P, P, dtype=torch.bool, device=dev).tril()
+        mask = (causal[None] & valid[:, None, :P]) | torch.eye(P, dtype=torch.bool, device=dev)[None]
+        stop = torch.tensor(sp.stop_token_ids or (-1,), device=dev)
+        finished = torch.zeros(B, dtype=torch.bool, device=dev)
+        reason = ["length"] * B
+        abort_len: dict[int, int] = {}
+        out_ids, out_lps = [], []
+        with self._lock:
+            logits = self.model(ids, pos, mask[:, None], self.cache, 0)[:, -1]
+        for t in range(sp.max_new_tokens):
+            nxt, lp = self._sample(logits, sp, gen)
+            nxt = torch.where(finished, torch.zeros_like(nxt), nxt)
+            out_ids.append(nxt)
+            out_lps.append(lp)
+            newly = ~finished & torch.isin(nxt, stop)
+            for b in newly.nonzero().flatten().tolist():
+                reason[b] = "stop"
+            finished |= newly
+            self._apply_aborts(reqs, finished, reason, abort_len, t + 1)
+            if bool(finished.all()) or t == sp.max_new_tokens - 1:
+                break
+            self._running.wait()
+            valid[:, P + t] = True
+            with self._lock:
+                logits = self.model(nxt[:, None], (pos[:, -1:] + t + 1), valid[:, None, None, : P + t + 1], self.cache, P + t)[:, -1]
+        ids_T = torch.stack(out_ids, 1).tolist() if out_ids else [[] for _ in reqs]
+        lps_T = torch.stack(out_lps, 1).tolist() if out_lps else [[] for _ in reqs]
+        outs = []
+        for b, r in enumerate(reqs):
+            n = len(ids_T[b])
+            if reason[b] == "stop":
+                n = next(i for i, tok in enumerate(ids_T[b]) if tok in sp.stop_token_ids) + 1
+            elif reason[b] == "abort":
+                n = abort_len[b]
+            outs.append(GenerateOutput(rid=r.rid, output_ids=ids_T[b][:n], output_log_probs=lps_T[b][:n],
+                                       finish_reason=reason[b], weight_version=self.weight_version))
+        return outs
+
+    def _sample(self, logits_BV: torch.Tensor, sp: SamplingParams, gen: torch.Generator):
+        if sp.temperature == 0:
+            nxt = logits_BV.argmax(-1)
+            lp, _ = log_probs_and_entropy(logits_BV, nxt, temperature=1.0, chunk_size=self.logprob_chunk_size)
+            return nxt, lp
+        x = logits_BV.float() / sp.temperature
+        probs = torch.softmax(x, -1)
+        if sp.top_p < 1.0:
+            sorted_p, idx = probs.sort(-1, descending=True)
+            drop = sorted_p.cumsum(-1) - sorted_p > sp.top_p
+            probs = torch.zeros_like(probs).scatter(-1, idx, sorted_p.masked_fill(drop, 0.0))
+        nxt = torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+        lp, _ = log_probs_and_entropy(logits_BV, nxt, temperature=sp.temperature, chunk_size=self.logprob_chunk_size)
+        return nxt, lp
+
+    def _apply_aborts(self, reqs, finished, reason, abort_len: dict[int, int], num_generated: int) -> None:
+        if not (self._aborted or self._abort_all):
+            return
+        for b, r in enumerate(reqs):
+            if not finished[b] and (self._abort_all or r.rid in self._aborted):
+                finished[b] = True
+                reason[b] = "abort"
+                abort_len[b] = num_generated
+        self._aborted -= {r.rid for r in reqs}
+
+    # ---- control surface ----------------------------------------------------------------------------------
+    def abort(self, rids: Iterable[str] | str = "all") -> None:
+        """Finish the given in-flight requests (or all) at the next decode step with finish_reason 'abort'."""
+        if rids == "all":
+            self._abort_all = True
+        else:
+            self._aborted |= set(rids)
+
+    def pause_generation(self, mode: str = "in_place") -> None:
+        if mode not in ("in_place", "abort"):
+            raise EngineError(f"pause_generation mode {mode!r} is not supported; use 'in_place' or 'abort'")
+        if mode == "abort":
+            self.abort("all")
+        self._running.clear()
+
+    def continue_generation(self) -> None:
+        self._running.set()
+
+    def flush_cache(self) -> None:
+        """Drop cached prefixes. The embedded engine keeps no prefix cache between calls, so nothing is kept."""
+
+    def release_memory(self, tags: Iterable[str]) -> int:
+        tags = _check_tags(tags)
+        with self._lock:
+            return self.memory.pause(tags, phase="release_" + "+".join(tags))
+
+    def resume_memory(self, tags: Iterable[str]) -> int:
+        tags = _check_tags(tags)
+        with self._lock:
+            return self.memory.resume(tags, phase="resume_" + "+".join(tags))
+
+    # ---- weights ------------------------------------------------------------------------------------------
+    def _target(self, name: str) -> torch.Tensor:
+        if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
+            return self._params["model.embed_tokens.weight"]
+        if name not in self._params:
+            raise EngineError(f"weight {name!r} is not a parameter of this model (e.g. {next(iter(self._params))!r})")
+        return self._params[name]
+
+    def update_weights_from_tensor(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> None:
+        """Copy the named tensors in (all validated before any is written); set ``version`` when given."""
+        items = list(named_tensors)
+        for name, t in items:
+            p = self._target(name)
+            if tuple(t.shape) != tuple(p.shape) or t.dtype != p.dtype:
+                raise EngineError(f"weight {name}: got {t.dtype} {tuple(t.shape)}, the engine holds {p.dtype} {tuple(p.shape)}")
+        if self.memory.is_paused("weights"):
+            raise EngineError("weights are released; resume_memory(['weights']) before updating them")
+        with self._lock, torch.no_grad():
+            for name, t in items:
+                self._target(name).copy_(t, non_blocking=True)
+            if version is not None:
+                self.weight_version = int(version)
+
+    def update_weights_from_disk(self, path: str, version: int | None = None) -> None:
+        from miles.sync.disk_delta import load_version
+
+        local = {k: v.detach().clone() for k, v in self.named_weights().items()}
+        named = load_version(path, version, local)
+        self.update_weights_from_tensor(named.items(), version)
+
+    def named_weights(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach() for k, v in self.model.hf_state_dict().items()}
+
+
+def _check_tags(tags: Iterable[str]) -> list[str]:
+    tags = [tags] if isinstance(tags, str) else list(tags)
+    bad = [t for t in tags if t not in ENGINE_TAGS]
+    if bad:
+        raise EngineError(f"unknown memory tag(s) {bad}; valid tags: {list(ENGINE_TAGS)}")
+    return tags
