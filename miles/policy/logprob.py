@@ -1,26 +1,25 @@
 """Per-token log-probs (and entropy) of chosen tokens from [T, V] logits without an FP32 copy of all logits.
 
-Logits stay in the model's dtype; each chunk of ``chunk_size`` tokens is upcast to FP32 just before the
-log-softmax, and the temperature is applied after the upcast. The trainer and the rollout engine both call
-this function, so train and rollout log-probs agree.
+Logits stay in the model's dtype (bf16/fp16). The eager path upcasts one chunk of ``chunk_size`` tokens at a
+time to FP32 just before the log-softmax, applies the temperature after the upcast (dividing in bf16 first
+rounds the logits a second time), and recomputes each chunk in the backward pass, so neither pass holds more
+than a few [C, V] FP32 buffers. On CUDA a fused Triton kernel (``miles.policy.fused_logprob``) does the same
+math in one streaming pass. The trainer and the rollout engine both call ``log_probs_and_entropy``, so train
+and rollout log-probs agree.
+
+Choose the implementation with ``impl=`` or the environment variable ``MILES_LOGPROB_IMPL``:
+``auto`` (fused kernel on CUDA when Triton is installed, eager otherwise), ``eager`` or ``fused``.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import os
+
 import torch
 
-
-def _chunk(logits_CV: torch.Tensor, tokens_C: torch.Tensor, temperature: float, with_entropy: bool):
-    x = logits_CV.float()
-    if temperature != 1.0:
-        x = x / temperature
-    logz = torch.logsumexp(x, dim=-1)
-    lp = x.gather(-1, tokens_C.unsqueeze(-1)).squeeze(-1) - logz
-    ent = None
-    if with_entropy:
-        p = torch.softmax(x, dim=-1)
-        ent = logz - (p * x).sum(-1)
-    return lp, ent
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+IMPLS = ("auto", "eager", "fused")
 
 
 def log_probs_and_entropy(
@@ -31,18 +30,116 @@ def log_probs_and_entropy(
     chunk_size: int = 1024,
     with_entropy: bool = False,
     entropy_requires_grad: bool = False,
+    impl: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log p(tokens[t] | logits[t]) for [T, V] logits and [T] tokens; FP32 outputs of shape [T]."""
+    """log p(tokens[t] | logits[t] / temperature) for [T, V] logits and [T] tokens.
+
+    Returns FP32 ``(log_probs_T, entropy_T or None)``. Gradients flow to ``logits`` through the log-probs,
+    and through the entropy only when ``entropy_requires_grad``. Logits must be finite.
+    """
+    _check_inputs(logits, tokens, temperature, chunk_size)
+    if logits.shape[0] == 0:
+        empty_T = logits[:, :0].float().sum(-1)  # FP32 [0], still attached to the graph of ``logits``
+        return empty_T, (empty_T.detach().clone() if with_entropy else None)
+    if resolve_impl(impl, logits) == "fused":
+        from miles.policy.fused_logprob import fused_log_probs_and_entropy
+
+        lp, ent = fused_log_probs_and_entropy(logits, tokens, temperature, with_entropy, entropy_requires_grad)
+    else:
+        lp, ent = _ChunkedLogProbs.apply(logits, tokens, temperature, chunk_size, with_entropy, entropy_requires_grad)
+    return lp, (ent if with_entropy else None)
+
+
+def resolve_impl(impl: str | None, logits: torch.Tensor) -> str:
+    """'eager' or 'fused' for these logits, from ``impl`` or else ``MILES_LOGPROB_IMPL`` (default 'auto')."""
+    choice = impl if impl is not None else os.environ.get("MILES_LOGPROB_IMPL", "auto")
+    if choice not in IMPLS:
+        raise ValueError(f"log-prob impl {choice!r} is not one of {IMPLS}; fix impl= or MILES_LOGPROB_IMPL")
+    fused_ok = HAS_TRITON and logits.is_cuda
+    if choice == "fused" and not fused_ok:
+        raise ValueError(
+            f"impl='fused' needs CUDA logits and Triton (device={logits.device}, HAS_TRITON={HAS_TRITON}); "
+            "use impl='eager' or 'auto', or pip install 'miles[gpu]'"
+        )
+    if choice == "auto":
+        return "fused" if fused_ok else "eager"
+    return choice
+
+
+def full_fp32_log_probs_and_entropy(
+    logits: torch.Tensor, tokens: torch.Tensor, *, temperature: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The naive reference: upcast all [T, V] logits to FP32 at once, then the same math with autograd."""
+    x_TV = logits.float()
+    if temperature != 1.0:
+        x_TV = x_TV / temperature
+    logp_TV = torch.log_softmax(x_TV, dim=-1)
+    lp_T = logp_TV.gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1)
+    ent_T = -(logp_TV.exp() * logp_TV).sum(-1)
+    return lp_T, ent_T
+
+
+def _check_inputs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float, chunk_size: int) -> None:
     if logits.dim() != 2 or tokens.shape != logits.shape[:1]:
-        raise ValueError(f"expected logits [T, V] and tokens [T], got {tuple(logits.shape)} and {tuple(tokens.shape)}")
-    T = logits.shape[0]
-    if T == 0:
-        empty = logits.new_zeros(0, dtype=torch.float32)
-        return empty, (empty.clone() if with_entropy else None)
-    lps, ents = [], []
-    for s in range(0, T, chunk_size):
-        lp, ent = _chunk(logits[s : s + chunk_size], tokens[s : s + chunk_size], temperature, with_entropy)
-        lps.append(lp)
-        if with_entropy:
-            ents.append(ent if entropy_requires_grad else ent.detach())
-    return torch.cat(lps), (torch.cat(ents) if with_entropy else None)
+        raise ValueError(
+            f"expected logits [T, V] and tokens [T], got {tuple(logits.shape)} and {tuple(tokens.shape)}; "
+            "flatten batch and sequence dims first (logits.flatten(0, -2), tokens.flatten())"
+        )
+    if not logits.is_floating_point():
+        raise ValueError(f"logits must be floating point, got {logits.dtype}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+
+
+def _upcast_chunk(logits_CV: torch.Tensor, temperature: float) -> torch.Tensor:
+    # Temperature after the upcast: bf16 division would round every logit once more before the softmax.
+    x_CV = logits_CV.float()
+    return x_CV / temperature if temperature != 1.0 else x_CV
+
+
+class _ChunkedLogProbs(torch.autograd.Function):
+    """Chunked forward; the backward recomputes each chunk's softmax instead of saving FP32 [T, V] state."""
+
+    @staticmethod
+    def forward(ctx, logits, tokens, temperature, chunk_size, with_entropy, entropy_requires_grad):
+        T = logits.shape[0]
+        tokens = tokens.long()
+        lp_T = torch.empty(T, dtype=torch.float32, device=logits.device)
+        ent_T = torch.empty(T, dtype=torch.float32, device=logits.device) if with_entropy else lp_T.new_empty(0)
+        for s in range(0, T, chunk_size):
+            logp_CV = torch.log_softmax(_upcast_chunk(logits[s : s + chunk_size], temperature), dim=-1)
+            lp_T[s : s + chunk_size] = logp_CV.gather(-1, tokens[s : s + chunk_size].unsqueeze(-1)).squeeze(-1)
+            if with_entropy:
+                ent_T[s : s + chunk_size] = -(logp_CV.exp() * logp_CV).sum(-1)
+        ctx.save_for_backward(logits, tokens, ent_T)
+        ctx.temperature, ctx.chunk_size = temperature, chunk_size
+        if not (with_entropy and entropy_requires_grad):
+            ctx.mark_non_differentiable(ent_T)
+        return lp_T, ent_T
+
+    @staticmethod
+    def backward(ctx, grad_lp_T, grad_ent_T):
+        logits, tokens, ent_T = ctx.saved_tensors
+        grad_logits = torch.empty_like(logits, memory_format=torch.contiguous_format)
+        temperature, C = ctx.temperature, ctx.chunk_size
+        for s in range(0, logits.shape[0], C):
+            g_lp = _column(grad_lp_T, s, C, logits)
+            logp_CV = torch.log_softmax(_upcast_chunk(logits[s : s + C], temperature), dim=-1)
+            # d lp / d x = onehot - p ;  d H / d x = -p * (log p + H)
+            weight_CV = g_lp.expand_as(logp_CV)
+            if grad_ent_T is not None and ent_T.numel():
+                weight_CV = logp_CV.add(ent_T[s : s + C, None]).mul_(_column(grad_ent_T, s, C, logits)).add_(g_lp)
+            g_CV = logp_CV.exp_().mul_(weight_CV).neg_()
+            g_CV.scatter_add_(-1, tokens[s : s + C, None], g_lp)
+            if temperature != 1.0:
+                g_CV.div_(temperature)
+            grad_logits[s : s + C] = g_CV
+        return grad_logits, None, None, None, None, None
+
+
+def _column(grad_T: torch.Tensor | None, s: int, C: int, logits: torch.Tensor) -> torch.Tensor:
+    if grad_T is None:
+        return torch.zeros(min(C, logits.shape[0] - s), 1, dtype=torch.float32, device=logits.device)
+    return grad_T[s : s + C, None].float()
