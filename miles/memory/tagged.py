@@ -37,6 +37,18 @@ def unique_storages(tensors: Iterable[torch.Tensor]) -> list[torch.UntypedStorag
     return sorted(seen.values(), key=lambda s: -s.nbytes())
 
 
+ALIGN = 64  # bytes; keeps every tensor in an arena aligned for any dtype view
+
+
+def _aligned_offsets(sizes: list[int]) -> list[int]:
+    """Start offset of each block in an arena, then the arena's total size (the bytes the OS is asked for)."""
+    out, off = [], 0
+    for n in sizes:
+        out.append(off)
+        off += -(-n // ALIGN) * ALIGN
+    return out + [off]
+
+
 def _bytes_view(storage: torch.UntypedStorage) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
@@ -110,15 +122,14 @@ class TaggedMemory:
                 continue
             storages = unique_storages(self._tensors(name))
             total = sum(s.nbytes() for s in storages)
+            offsets = _aligned_offsets([s.nbytes() for s in storages])
             if tag.policy != "discard" and total:
-                tag.backup = self._allocate_backup(name, tag.policy, total)
-            offset = 0
-            for s in storages:
+                tag.backup = self._allocate_backup(name, tag.policy, offsets[-1])
+            for s, offset in zip(storages, offsets):
                 n = s.nbytes()
                 if tag.backup is not None:
                     tag.backup[offset : offset + n].copy_(_bytes_view(s), non_blocking=True)
                 tag.paused.append((s, offset, n))
-                offset += n
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             for s, _, _ in tag.paused:
@@ -155,6 +166,20 @@ class TaggedMemory:
             moved += total
         self.last_move_seconds = time.perf_counter() - t0
         return moved
+
+    def backup_view(self, tag: str, t: torch.Tensor) -> torch.Tensor:
+        """The paused tensor ``t`` read from its backup (same dtype, shape and strides), without resuming it."""
+        entry = self.tags[tag]
+        if not entry.is_paused:
+            return t
+        if entry.backup is None:
+            raise ValueError(f"tag {tag!r} was discarded on pause (policy 'discard'); its contents cannot be read")
+        key = _local(t).untyped_storage()._cdata  # the StorageImpl; data_ptr() is 0 once resized to 0
+        for s, offset, n in entry.paused:
+            if s._cdata == key:
+                raw = entry.backup[offset : offset + n].view(t.dtype)
+                return raw.as_strided(t.shape, t.stride(), raw.storage_offset() + t.storage_offset())
+        raise KeyError(f"tensor is not part of tag {tag!r}")
 
     def _allocate_backup(self, tag: str, policy: str, nbytes: int) -> torch.Tensor:
         if policy == "disk":

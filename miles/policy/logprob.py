@@ -67,15 +67,15 @@ def resolve_impl(impl: str | None, logits: torch.Tensor) -> str:
 
 
 def full_fp32_log_probs_and_entropy(
-    logits: torch.Tensor, tokens: torch.Tensor, *, temperature: float = 1.0
-) -> tuple[torch.Tensor, torch.Tensor]:
+    logits: torch.Tensor, tokens: torch.Tensor, *, temperature: float = 1.0, with_entropy: bool = True
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The naive reference: upcast all [T, V] logits to FP32 at once, then the same math with autograd."""
     x_TV = logits.float()
     if temperature != 1.0:
         x_TV = x_TV / temperature
     logp_TV = torch.log_softmax(x_TV, dim=-1)
     lp_T = logp_TV.gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1)
-    ent_T = -(logp_TV.exp() * logp_TV).sum(-1)
+    ent_T = -(logp_TV.exp() * logp_TV).sum(-1) if with_entropy else None
     return lp_T, ent_T
 
 

@@ -249,6 +249,17 @@ class EmbeddedEngine:
         named = load_version(path, version, local)
         self.update_weights_from_tensor(named.items(), version)
 
+    def update_weights_from_bucket(self, handle, version: int | None = None) -> None:
+        """Apply a flat bucket sent by handle (shared memory on CPU, CUDA IPC on GPU; see miles.sync.flat_bucket)."""
+        if not hasattr(self, "_opened"):
+            from miles.sync.flat_bucket import OpenedBuffers
+
+            self._opened = OpenedBuffers()
+        self.update_weights_from_tensor(self._opened.tensors(handle), version)
+
+    def set_weight_version(self, version: int) -> None:
+        self.weight_version = int(version)
+
     def named_weights(self) -> dict[str, torch.Tensor]:
         return {k: v.detach() for k, v in self.model.hf_state_dict().items()}
 

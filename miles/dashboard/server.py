@@ -1,0 +1,106 @@
+"""`miles dashboard RUN_DIR`: a local web server over a run directory, live while the run writes it.
+
+JSON endpoints read the run directory through :class:`RunDirReader` (which refuses every path outside it);
+one binary endpoint streams a sample's whole token range for the token strip and its per-token chart; the
+front end in ``static/`` is plain HTML/JS/CSS with no build step and nothing fetched from the internet.
+Binds 127.0.0.1 unless told otherwise: the run directory may hold prompts and model outputs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from fastapi import FastAPI, HTTPException, Query
+from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
+from fastapi.staticfiles import StaticFiles
+
+from miles.dashboard.store import NotInRunDir, RunDirReader
+
+STATIC = Path(__file__).parent / "static"
+MAX_JSONL_BYTES = 4 << 20
+
+
+def create_app(run_dir: str | os.PathLike, *, follow: bool = False) -> FastAPI:
+    """The dashboard app for one run directory; ``follow`` tells the page to poll for new data."""
+    reader = RunDirReader(run_dir)
+    app = FastAPI(title="miles dashboard", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.reader = reader
+
+    @app.exception_handler(NotInRunDir)
+    async def not_found(_request, exc: NotInRunDir):
+        return JSONResponse({"detail": f"not found in the run directory: {exc}"}, status_code=404)
+
+    @app.get("/")
+    def index():
+        return FileResponse(STATIC / "index.html", headers={"Cache-Control": "no-cache"})
+
+    @app.get("/api/info")
+    def info():
+        return {"run_dir": str(reader.root), "name": reader.root.name, "follow": follow}
+
+    @app.get("/api/config")
+    def config():
+        return reader.config()
+
+    @app.get("/api/metrics")
+    def metrics(offset: int = Query(0, ge=0), max_bytes: int = Query(MAX_JSONL_BYTES, ge=1, le=64 << 20)):
+        rows, next_offset = reader.read_jsonl("metrics.jsonl", offset, max_bytes)
+        return {"rows": rows, "next_offset": next_offset}
+
+    @app.get("/api/ledger")
+    def ledger(offset: int = Query(0, ge=0), max_bytes: int = Query(MAX_JSONL_BYTES, ge=1, le=64 << 20)):
+        rows, next_offset = reader.read_jsonl("ledger.jsonl", offset, max_bytes)
+        return {"rows": rows, "next_offset": next_offset}
+
+    @app.get("/api/steps")
+    def steps():
+        return {"steps": reader.steps()}
+
+    @app.get("/api/steps/{step}/samples")
+    def samples(step: int):
+        _check_step(step)
+        index = reader.step_index(step)
+        return {"step": step, "samples": index["samples"]}
+
+    @app.get("/api/steps/{step}/samples/{row}")
+    def sample(step: int, row: int):
+        """The whole token range of one sample plus its metadata and texts, streamed (see sample_chunks)."""
+        _check_step(step)
+        size, chunks = reader.sample_chunks(step, row)
+        headers = {"Content-Length": str(size), "Cache-Control": "no-cache"}
+        return StreamingResponse(chunks, media_type="application/octet-stream", headers=headers)
+
+    app.mount("/static", StaticFiles(directory=STATIC), name="static")
+    return app
+
+
+def _check_step(step: int) -> None:
+    if step < 0:
+        raise HTTPException(422, f"step = {step} must be >= 0")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="miles dashboard", description="Serve a run directory as a local web dashboard.")
+    p.add_argument("run_dir", help="the run directory the driver writes (config.json, metrics.jsonl, rollouts/)")
+    p.add_argument("--follow", action="store_true", help="poll for new steps, metrics and memory events (live run)")
+    p.add_argument("--port", type=int, default=8642, help="port to listen on (0 = any free port)")
+    p.add_argument("--host", default="127.0.0.1", help="interface to bind; the default keeps it on this machine")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import uvicorn
+
+    args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    if not Path(args.run_dir).is_dir():
+        print(f"miles dashboard: {args.run_dir} is not a directory; pass a run_dir written by `miles train`", file=sys.stderr)
+        return 2
+    if args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"miles dashboard: serving on {args.host}: anyone who can reach it can read this run", file=sys.stderr)
+    app = create_app(args.run_dir, follow=args.follow)
+    print(f"miles dashboard: http://{args.host}:{args.port}/  ({args.run_dir}{', following' if args.follow else ''})")
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    return 0

@@ -1,0 +1,324 @@
+"""Disk-delta weight sync: each trainer source rank writes the byte delta of its weights against the last
+published version (the canonical baseline at first) as a zstd-compressed safetensors shard; rank 0 publishes
+the version atomically and tells the engines to pull it with ``update_weights_from_disk(root, version)``.
+
+Engines on other hosts only need the shared directory. With bf16 weights and RL learning rates most bytes do
+not change between steps, so a version is a small fraction of a checkpoint. Every error on any rank (a layout
+that differs from the baseline, a corrupt baseline file, two ranks disagreeing on a replicated tensor, a failed
+write) is held until the next gather and raised on every rank naming the first failing rank, so no rank is
+left waiting in a collective and no version is published.
+
+Module map: safetensors_dtypes (dtype table, header parsing), baseline (the validated canonical checkpoint),
+delta_codec (XOR / overwrite + zstd + xxh3), staging_pool (bounded host buffers), delta_version (on-disk
+version format and the engine-side ``load_version``), collective_errors (hold-then-gather).
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import safetensors.numpy
+import torch
+import torch.distributed as dist
+
+from miles.atomic import atomic_write_text, fsync_dir
+from miles.sync.baseline import Baseline, MissingTensorError, save_baseline, trainer_layout
+from miles.sync.collective_errors import CollectiveError, HeldError, RankError, gather_or_raise, raise_together
+from miles.sync.delta_codec import CHECKSUMS, TensorEncoder, checksum
+from miles.sync.delta_version import (FORMAT, LATEST, VersionError, fsync_file, load_version, published_versions,
+                                      version_dir, write_index)
+from miles.sync.safetensors_dtypes import Layout, check_layout
+from miles.sync.staging_pool import StagingPool, byte_view
+
+__all__ = ["Baseline", "DiskDeltaConfig", "DiskDeltaSync", "MissingTensorError", "VersionError", "load_version",
+           "save_baseline"]
+
+
+@dataclass(kw_only=True, slots=True)
+class DiskDeltaConfig:
+    root: str  # directory shared by trainer and engines; versions appear as <root>/v00000001/
+    baseline: str  # safetensors checkpoint (file or directory) the engines loaded: the first delta's base
+    baseline_version: int = 0  # the engines' weight_version while they hold the baseline
+    encoding: Literal["xor", "overwrite"] = "xor"  # xor: dense-ish bf16 updates; overwrite: very sparse updates
+    zstd_level: int = 1  # 1 is fastest; higher levels barely shrink XOR deltas of bf16 weights
+    zstd_threads: int = 0  # zstd worker threads per rank (0: compress in the calling thread, -1: one per core)
+    checksum: str = "xxh3_128"
+    staging_buffers: int = 2  # host staging buffers per rank (pinned with CUDA); bound = buffers x bytes
+    staging_buffer_bytes: int = 64 << 20
+    keep_versions: int = 4  # published versions kept on disk (rank 0 deletes older ones); 0 keeps all
+    check_weights: bool = False  # after each sync, compare every engine tensor with the trainer's (by checksum)
+
+    def __post_init__(self):
+        if self.encoding not in ("xor", "overwrite"):
+            raise ValueError(f"disk_delta.encoding = {self.encoding!r} must be 'xor' or 'overwrite'")
+        if self.checksum not in CHECKSUMS:
+            raise ValueError(f"disk_delta.checksum = {self.checksum!r} must be one of {sorted(CHECKSUMS)}")
+        if not 1 <= self.zstd_level <= 22 or self.keep_versions < 0:
+            raise ValueError(f"disk_delta.zstd_level = {self.zstd_level} must be in [1, 22] and keep_versions = "
+                             f"{self.keep_versions} >= 0")
+
+
+@dataclass(slots=True)
+class _Canonical:
+    """This rank's copy of a tensor's bytes at the last published version."""
+
+    layout: Layout
+    data: np.ndarray
+    digest: str
+
+
+@dataclass(slots=True)
+class _Encoded:
+    layout: Layout
+    payload: bytes
+    digest: str
+    new_bytes: np.ndarray  # becomes the canonical copy once the version is published
+
+
+@dataclass(slots=True)
+class _Step:
+    """What one rank produced for one update: every emitted tensor's (layout, digest), the changed ones encoded."""
+
+    emitted: dict[str, tuple[tuple, str]] = field(default_factory=dict)
+    encoded: dict[str, _Encoded] = field(default_factory=dict)
+    raw_bytes: int = 0
+
+
+class DiskDeltaSync:
+    """Weight-sync transport through delta files. Every source rank of ``group`` builds one and calls ``update``
+    with its tensors for every version, in the same order; rank 0 holds the engine handles.
+
+        sync = DiskDeltaSync(DiskDeltaConfig(root="runs/x/weights", baseline="ckpt/"), group=None)
+        sync.connect(engines if rank == 0 else [])   # objects or Ray actor handles
+        for step in range(1, n + 1):
+            train_step()
+            sync.update(trainer.named_weights().items(), version=step)
+        sync.metrics()                              # wire bytes, timings of the last update
+    """
+
+    def __init__(self, config: DiskDeltaConfig, group=None):
+        self.config, self.group = config, group
+        self.rank = dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
+        self.root = Path(config.root)
+        self.pool = StagingPool(num_buffers=config.staging_buffers, buffer_bytes=config.staging_buffer_bytes)
+        self.published_version = config.baseline_version
+        self.engines: list = []
+        self._baseline: Baseline | None = None
+        self._canonical: dict[str, _Canonical] = {}
+        self._metrics: dict = {}
+
+    def connect(self, engines) -> None:
+        self.engines = list(engines)
+
+    def metrics(self) -> dict:
+        return dict(self._metrics)
+
+    def update(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        t0, held = time.perf_counter(), HeldError()
+        step = self._encode_all(named_tensors, version, held)
+        t_encode = time.perf_counter()
+        summary = {"token": uuid.uuid4().hex, "emitted": step.emitted, "raw_bytes": step.raw_bytes}
+        gathered = gather_or_raise(summary, held.error, self.group)
+        owners = _owners([g["emitted"] for g in gathered])
+        tmp = self.root / f".v{version:08d}.{gathered[0]['token']}.tmp"
+        with held:
+            shard = self._write_shard(tmp, step, owners)
+        try:
+            shards = gather_or_raise(shard, held.error, self.group)
+        except CollectiveError:
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        with held:
+            if self.rank == 0:
+                self._publish(tmp, version, [s for s in shards if s is not None])
+        raise_together(held.error, self.group)
+        self._commit(step, version)
+        t_publish = time.perf_counter()
+        with held:
+            if self.rank == 0:
+                self._update_engines(version, gathered)
+        raise_together(held.error, self.group)
+        t_end = time.perf_counter()
+        self._record(version, step, gathered, shards, t0, t_encode, t_publish, t_end)
+
+    # -- source side ------------------------------------------------------------------------------------------
+
+    def _encode_all(self, named_tensors, version: int, held: HeldError) -> _Step:
+        """Encode every tensor; after a first error keep draining the iterator (it may run collectives, e.g.
+        FSDP all-gathers, that the other ranks are waiting in) without encoding."""
+        step = _Step()
+        with held:
+            if version <= self.published_version:
+                raise ValueError(f"weight version {version} must be greater than the last published "
+                                 f"{self.published_version}; versions only move forward")
+            if self._baseline is None:
+                self._baseline = Baseline.from_checkpoint(self.config.baseline)
+        with held:
+            for name, tensor in named_tensors:
+                if held.error is None:
+                    with held:
+                        self._encode_one(name, tensor, step)
+        return step
+
+    def _encode_one(self, name: str, tensor: torch.Tensor, step: _Step) -> None:
+        if name in step.emitted:
+            raise ValueError(f"tensor {name!r} is emitted twice by this rank in one update")
+        layout = trainer_layout(name, tensor)
+        base = self._base(name, layout)
+        step.raw_bytes += layout.nbytes
+        if layout.nbytes == 0:
+            step.emitted[name] = (_key(layout), base.digest)
+            return
+        cfg = self.config
+        encoder = TensorEncoder(cfg.encoding, nbytes=layout.nbytes, itemsize=tensor.element_size(),
+                                level=cfg.zstd_level, threads=cfg.zstd_threads, checksum_format=cfg.checksum)
+        new_bytes = np.empty(layout.nbytes, np.uint8)
+        for offset, chunk in self.pool.stage(tensor):
+            new_bytes[offset:offset + chunk.size] = chunk
+            encoder.feed(offset, chunk, base.data[offset:offset + chunk.size])
+        payload, digest = encoder.finish()
+        step.emitted[name] = (_key(layout), digest)
+        if digest != base.digest:
+            step.encoded[name] = _Encoded(layout, payload, digest, new_bytes)
+
+    def _base(self, name: str, layout: Layout) -> _Canonical:
+        """The tensor's bytes at the last published version; the first time, read and validated from the baseline."""
+        if name in self._canonical:
+            base = self._canonical[name]
+            check_layout(name, base.layout, layout, got_from=f"version {self.published_version} (synced before)")
+            return base
+        data = self._baseline.read_bytes(name, layout)
+        base = _Canonical(layout, data, checksum(data, self.config.checksum))
+        self._canonical[name] = base
+        return base
+
+    def _write_shard(self, tmp: Path, step: _Step, owners: dict[str, int]) -> dict | None:
+        mine = {n: e for n, e in step.encoded.items() if owners[n] == self.rank}
+        if not mine:
+            return None
+        tmp.mkdir(parents=True, exist_ok=True)
+        file = f"shard-{self.rank:05d}.safetensors"
+        safetensors.numpy.save_file({n: np.frombuffer(e.payload, np.uint8) for n, e in mine.items()}, str(tmp / file))
+        fsync_file(tmp / file)
+        tensors = {n: {"dtype": e.layout.dtype, "shape": list(e.layout.shape), "nbytes": e.layout.nbytes,
+                       "encoding": self.config.encoding, "checksum": e.digest, "payload_nbytes": len(e.payload),
+                       "shard": file} for n, e in mine.items()}
+        return {"file": file, "nbytes": (tmp / file).stat().st_size, "tensors": tensors}
+
+    def _publish(self, tmp: Path, version: int, shards: list[dict]) -> None:
+        final = version_dir(self.root, version)
+        if final.exists():
+            raise FileExistsError(f"weight version {version} is already published at {final}; versions are "
+                                  f"immutable, use a new version number (or a fresh sync root)")
+        tmp.mkdir(parents=True, exist_ok=True)
+        cfg = self.config
+        index = {"format": FORMAT, "version": version, "base_version": self.published_version,
+                 "encoding": cfg.encoding, "compression": "zstd", "checksum": cfg.checksum,
+                 "shards": {s["file"]: s["nbytes"] for s in shards},
+                 "tensors": {n: info for s in shards for n, info in s["tensors"].items()}}
+        write_index(tmp, index)
+        fsync_dir(tmp)
+        tmp.rename(final)
+        fsync_dir(self.root)
+        atomic_write_text(self.root / LATEST, f"{version}\n")
+        self._prune(version)
+
+    def _prune(self, version: int) -> None:
+        keep = self.config.keep_versions
+        if keep:
+            for old in published_versions(self.root):
+                if old <= version - keep:
+                    shutil.rmtree(version_dir(self.root, old), ignore_errors=True)
+
+    def _commit(self, step: _Step, version: int) -> None:
+        for name, e in step.encoded.items():
+            self._canonical[name] = _Canonical(e.layout, e.new_bytes, e.digest)
+        self.published_version = version
+
+    # -- engine side (rank 0) -----------------------------------------------------------------------------------
+
+    def _update_engines(self, version: int, gathered: list[dict]) -> None:
+        for engine in self.engines:
+            _call(engine, "update_weights_from_disk", str(self.root), version)
+        if self.config.check_weights:
+            expected = {n: d for g in gathered for n, (_, d) in g["emitted"].items()}
+            for i, engine in enumerate(self.engines):
+                check_engine_weights(engine, expected, version, self.config.checksum, label=f"engine {i}")
+
+    def _record(self, version, step, gathered, shards, t0, t_encode, t_publish, t_end) -> None:
+        wire = sum(s["nbytes"] for s in shards if s is not None)
+        self._metrics = {
+            "disk_delta/version": version, "disk_delta/wire_bytes": wire,
+            "disk_delta/raw_bytes": sum(g["raw_bytes"] for g in gathered),
+            "disk_delta/num_tensors": len({n for g in gathered for n in g["emitted"]}),
+            "disk_delta/num_changed": sum(len(s["tensors"]) for s in shards if s is not None),
+            "disk_delta/rank_raw_bytes": step.raw_bytes,
+            "disk_delta/encode_s": t_encode - t0, "disk_delta/publish_s": t_publish - t_encode,
+            "disk_delta/engines_s": t_end - t_publish, "disk_delta/total_s": t_end - t0,
+        }
+
+
+def _key(layout: Layout) -> tuple:
+    return (layout.dtype, layout.shape, layout.nbytes)
+
+
+def _owners(emitted_by_rank: list[dict[str, tuple[tuple, str]]]) -> dict[str, int]:
+    """The lowest rank emitting each name writes it; every rank computes the same answer from the same gather,
+    so a disagreement raises the same CollectiveError on every rank without another collective."""
+    first: dict[str, tuple[int, tuple, str]] = {}
+    for rank, emitted in enumerate(emitted_by_rank):
+        for name, (key, digest) in emitted.items():
+            if name not in first:
+                first[name] = (rank, key, digest)
+                continue
+            r0, key0, digest0 = first[name]
+            if (key0, digest0) != (key, digest):
+                message = (f"tensor {name!r} is emitted by rank {r0} as {Layout(*key0)} (checksum {digest0}) and by "
+                           f"rank {rank} as {Layout(*key)} (checksum {digest}); a name emitted by several ranks must "
+                           f"carry identical bytes: check that replicated parameters are synchronised")
+                raise CollectiveError([RankError(rank=rank, type="ValueError", message=message)], len(emitted_by_rank))
+    return {name: rank for name, (rank, _, _) in first.items()}
+
+
+def _call(engine, method: str, *args):
+    """Call a method on an in-process engine or a Ray actor handle."""
+    fn = getattr(engine, method)
+    if hasattr(fn, "remote"):
+        import ray
+
+        return ray.get(fn.remote(*args))
+    return fn(*args)
+
+
+def engine_weight_version(engine) -> int:
+    value = getattr(engine, "weight_version")
+    if hasattr(value, "remote"):
+        import ray
+
+        return ray.get(value.remote())
+    return value() if callable(value) else value
+
+
+def check_engine_weights(engine, expected: dict[str, str], version: int, checksum_format: str = "xxh3_128", *,
+                         label: str = "engine") -> None:
+    """Raise unless the engine reports ``version`` and every tensor in ``expected`` (name -> checksum of the
+    trainer's bytes) is bit-equal on the engine."""
+    got_version = engine_weight_version(engine)
+    if got_version != version:
+        raise RuntimeError(f"{label} reports weight_version {got_version} after syncing version {version}")
+    weights = _call(engine, "named_weights")
+    for name, digest in expected.items():
+        if name not in weights:
+            raise MissingTensorError(f"check_weights: {label} has no tensor {name!r} after version {version}")
+        got = checksum(byte_view(weights[name]).cpu().numpy(), checksum_format)
+        if got != digest:
+            raise RuntimeError(f"check_weights: {label} tensor {name!r} differs from the trainer's after version "
+                               f"{version} (checksum {got} vs {digest})")

@@ -1,0 +1,210 @@
+"""The torch trainer backend: the decoder trained with GRPO/GSPO/PPO-clip on one rank or sharded with FSDP2.
+
+Implements the trainer-backend contract (forward_logprobs, train_step, named_weights in HF names,
+state_dict/load_state_dict) and the Offloadable contract through TaggedMemory (sleep/wake_up,
+offload/onload by tag, clear_memory). Tags: ``params``, ``grads``, ``optimizer`` (``ref`` when KL is on).
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import time
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+
+from miles.config import TrainerConfig
+from miles.memory import MemoryLedger, TaggedMemory
+from miles.model.config import ModelConfig
+from miles.model.decoder import build_decoder
+from miles.policy.logprob import log_probs_and_entropy
+from miles.policy.loss import masked_mean, policy_loss
+from miles.train.batch import TrainBatch
+
+TRAIN_TAGS = ("params", "grads", "optimizer")
+
+
+def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v) and v.dim() > 0]
+
+
+class TorchBackend:
+    """One data-parallel rank of the policy.
+
+    backend = TorchBackend(model_cfg, trainer_cfg, rank=0, world_size=1, temperature=1.0)
+    metrics = backend.train_step(batch)           # one rollout batch: num_minibatches optimizer steps
+    backend.sleep()                               # params/optimizer to host, grads dropped
+    backend.wake_up()
+    for name, tensor in backend.named_weights():  # HF names, full tensors (collective under FSDP2)
+        ...
+    """
+
+    def __init__(self, model_cfg: ModelConfig, cfg: TrainerConfig, *, rank: int = 0, world_size: int = 1,
+                 device="cpu", seed: int = 0, temperature: float = 1.0, ledger: MemoryLedger | None = None,
+                 offload_policy: str = "host", disk_dir: str | None = None):
+        self.cfg, self.model_cfg = cfg, model_cfg
+        self.rank, self.world_size, self.device = rank, world_size, torch.device(device)
+        self.temperature = temperature
+        torch.manual_seed(seed)
+        self.model = build_decoder(model_cfg, seed=seed, device=self.device)
+        self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False) if cfg.kl_coef else None
+        if world_size > 1:
+            self._shard()
+        self.optimizer = self._build_optimizer()
+        self.ledger = ledger or MemoryLedger()
+        self.memory = TaggedMemory(f"trainer/{rank}", self.ledger, self.device, disk_dir=disk_dir)
+        policy = "discard" if offload_policy == "none" else offload_policy
+        self.offload_enabled = offload_policy != "none"
+        self.memory.register("params", list(self.model.parameters()), policy=policy)
+        self.memory.register("grads", lambda: [p.grad for p in self.model.parameters() if p.grad is not None], policy="discard")
+        self.memory.register("optimizer", lambda: optimizer_state_tensors(self.optimizer), policy=policy)
+        if self.ref_model is not None:
+            self.memory.register("ref", list(self.ref_model.parameters()), policy=policy)
+
+    def _shard(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        for m in (self.model, self.ref_model):
+            if m is None:
+                continue
+            for layer in m.model.layers:
+                fully_shard(layer)
+            fully_shard(m)
+
+    def _build_optimizer(self) -> torch.optim.Optimizer:
+        c = self.cfg
+        return torch.optim.AdamW(self.model.parameters(), lr=c.lr, betas=c.betas, weight_decay=c.weight_decay)
+
+    # ---- math -----------------------------------------------------------------------------------------------
+    def _token_log_probs(self, model, tokens_NL: torch.Tensor, with_entropy: bool = False):
+        logits = model(tokens_NL[:, :-1])  # [N, L-1, V] in model dtype
+        N, T, V = logits.shape
+        lp, ent = log_probs_and_entropy(logits.reshape(N * T, V), tokens_NL[:, 1:].reshape(-1), temperature=self.temperature,
+                                        chunk_size=self.cfg.logprob_chunk_size, with_entropy=with_entropy)
+        pad = lp.new_zeros(N, 1)
+        lp = torch.cat([pad, lp.view(N, T)], 1)
+        ent = torch.cat([pad, ent.view(N, T)], 1) if ent is not None else None
+        return lp, ent
+
+    @torch.no_grad()
+    def forward_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """Per-token log-probs [N, L] of the current policy (position t scores token t)."""
+        return self._token_log_probs(self.model, batch.tokens.to(self.device))[0].cpu()
+
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        t0 = time.perf_counter()
+        self.model.train()
+        c = self.cfg
+        minibatches = batch.split(c.num_minibatches)
+        old = [self.forward_logprobs(mb) for mb in minibatches] if c.num_minibatches > 1 else [None] * len(minibatches)
+        metrics: dict[str, float] = {}
+        for mb, old_lp in zip(minibatches, old):
+            tokens, mask = mb.tokens.to(self.device), mb.loss_mask.to(self.device)
+            lp, ent = self._token_log_probs(self.model, tokens, with_entropy=True)
+            ref = self._token_log_probs(self.ref_model, tokens)[0].detach() if self.ref_model is not None else None
+            old_lp = lp.detach() if old_lp is None else old_lp.to(self.device)
+            out = policy_loss(lp, old_lp, mb.advantages.to(self.device), mask, kind=c.loss, eps_clip=c.eps_clip,
+                              eps_clip_high=c.eps_clip_high, ref_log_probs=ref, kl_coef=c.kl_coef, entropy=ent,
+                              entropy_coef=c.entropy_coef)
+            out.loss.backward()
+            metrics = _accumulate(metrics, out.metrics, len(minibatches))
+            metrics["train_rollout_logprob_abs_diff"] = metrics.get("train_rollout_logprob_abs_diff", 0.0) + masked_mean(
+                (lp.detach() - mb.rollout_log_probs.to(self.device)).abs(), mask).item() / len(minibatches)
+            metrics["grad_norm"] = self._optimizer_step()
+        metrics["train_time"] = time.perf_counter() - t0
+        return metrics
+
+    def sft_step(self, batch: TrainBatch) -> dict[str, float]:
+        """One supervised step on the response tokens (cross-entropy), e.g. for a warm-up before RL."""
+        self.model.train()
+        tokens, mask = batch.tokens.to(self.device), batch.loss_mask.to(self.device)
+        lp, _ = self._token_log_probs(self.model, tokens)
+        loss = -masked_mean(lp, mask)
+        loss.backward()
+        return {"sft_loss": loss.item(), "grad_norm": self._optimizer_step()}
+
+    def _optimizer_step(self) -> float:
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+    def set_lr(self, lr: float) -> None:
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+
+    # ---- weights ------------------------------------------------------------------------------------------
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, full tensor) pairs; read from the host backup when params are offloaded. Collective under FSDP2."""
+        tied = self.model_cfg.tie_word_embeddings
+        for name, p in self.model.named_parameters():
+            if tied and name == "lm_head.weight":
+                continue
+            t = self.memory.backup_view("params", p) if self.memory.is_paused("params") else p.detach()
+            if hasattr(t, "full_tensor"):
+                t = t.full_tensor()
+            yield name, t
+
+    def state_dict(self) -> dict:
+        return {"model": {k: v.cpu().clone() for k, v in self.named_weights()},
+                "optimizer": self.optimizer.state_dict() if self.world_size == 1 else _full_optim_state(self.model, self.optimizer)}
+
+    def load_state_dict(self, state: dict) -> None:
+        own = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for name, t in state["model"].items():
+                p = own[name]
+                if hasattr(p, "_local_tensor"):
+                    from torch.distributed.tensor import distribute_tensor
+
+                    p.copy_(distribute_tensor(t.to(self.device), p.device_mesh, p.placements))
+                else:
+                    p.copy_(t)
+        if self.world_size == 1:
+            self.optimizer.load_state_dict(state["optimizer"])
+        else:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+            set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=StateDictOptions(full_state_dict=True))
+
+    # ---- memory -------------------------------------------------------------------------------------------
+    def offload(self, tags=TRAIN_TAGS, phase: str = "offload_train") -> int:
+        if not self.offload_enabled:
+            return 0
+        self.optimizer.zero_grad(set_to_none=True)
+        return self.memory.pause([t for t in tags if t in self.memory.tags], phase)
+
+    def onload(self, tags=TRAIN_TAGS, phase: str = "onload_train") -> int:
+        return self.memory.resume([t for t in tags if t in self.memory.tags], phase)
+
+    def clear_memory(self) -> None:
+        """Drop gradients and cached allocator blocks (nothing that needs a copy)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def sleep(self) -> int:
+        self.clear_memory()
+        return self.offload()
+
+    def wake_up(self) -> int:
+        return self.onload()
+
+
+def _accumulate(acc: dict, new: dict, n: int) -> dict:
+    for k, v in new.items():
+        acc[k] = acc.get(k, 0.0) + v / n
+    return acc
+
+
+def _full_optim_state(model, optimizer) -> dict:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
