@@ -29,9 +29,8 @@ class MuonWithAdamW(torch.optim.Optimizer):
         self.children: dict[str, torch.optim.Optimizer] = {}
         if muon_params:
             self.children["muon"] = torch.optim.Muon(
-                muon_params, lr=lr, weight_decay=weight_decay, momentum=betas[0] if betas[0] > 0.9 else 0.95,
-                adjust_lr_fn="match_rms_adamw",
-            )
+                muon_params, lr=lr, weight_decay=weight_decay, adjust_lr_fn="match_rms_adamw"
+            )  # momentum: torch's default 0.95 (Nesterov); betas are AdamW's
         if adamw_params:
             self.children["adamw"] = torch.optim.AdamW(adamw_params, lr=lr, weight_decay=weight_decay, betas=betas)
         if not self.children:
