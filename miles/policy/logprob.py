@@ -99,6 +99,14 @@ def _upcast_chunk(logits_CV: torch.Tensor, temperature: float) -> torch.Tensor:
     return x_CV / temperature if temperature != 1.0 else x_CV
 
 
+def _forward_chunk(logits_CV, tokens_C, temperature, lp_out_C, ent_out_C) -> None:
+    # A function of its own so the chunk's FP32 buffers are freed before the next chunk allocates its own.
+    logp_CV = torch.log_softmax(_upcast_chunk(logits_CV, temperature), dim=-1)
+    lp_out_C.copy_(logp_CV.gather(-1, tokens_C.unsqueeze(-1)).squeeze(-1))
+    if ent_out_C is not None:
+        ent_out_C.copy_(-(logp_CV.exp() * logp_CV).sum(-1))
+
+
 class _ChunkedLogProbs(torch.autograd.Function):
     """Chunked forward; the backward recomputes each chunk's softmax instead of saving FP32 [T, V] state."""
 
@@ -109,10 +117,8 @@ class _ChunkedLogProbs(torch.autograd.Function):
         lp_T = torch.empty(T, dtype=torch.float32, device=logits.device)
         ent_T = torch.empty(T, dtype=torch.float32, device=logits.device) if with_entropy else lp_T.new_empty(0)
         for s in range(0, T, chunk_size):
-            logp_CV = torch.log_softmax(_upcast_chunk(logits[s : s + chunk_size], temperature), dim=-1)
-            lp_T[s : s + chunk_size] = logp_CV.gather(-1, tokens[s : s + chunk_size].unsqueeze(-1)).squeeze(-1)
-            if with_entropy:
-                ent_T[s : s + chunk_size] = -(logp_CV.exp() * logp_CV).sum(-1)
+            rows = slice(s, s + chunk_size)
+            _forward_chunk(logits[rows], tokens[rows], temperature, lp_T[rows], ent_T[rows] if with_entropy else None)
         ctx.save_for_backward(logits, tokens, ent_T)
         ctx.temperature, ctx.chunk_size = temperature, chunk_size
         if not (with_entropy and entropy_requires_grad):
@@ -124,22 +130,30 @@ class _ChunkedLogProbs(torch.autograd.Function):
         logits, tokens, ent_T = ctx.saved_tensors
         grad_logits = torch.empty_like(logits, memory_format=torch.contiguous_format)
         temperature, C = ctx.temperature, ctx.chunk_size
+        has_ent_grad = grad_ent_T is not None and ent_T.numel() > 0
         for s in range(0, logits.shape[0], C):
-            g_lp = _column(grad_lp_T, s, C, logits)
-            logp_CV = torch.log_softmax(_upcast_chunk(logits[s : s + C], temperature), dim=-1)
-            # d lp / d x = onehot - p ;  d H / d x = -p * (log p + H)
-            weight_CV = g_lp.expand_as(logp_CV)
-            if grad_ent_T is not None and ent_T.numel():
-                weight_CV = logp_CV.add(ent_T[s : s + C, None]).mul_(_column(grad_ent_T, s, C, logits)).add_(g_lp)
-            g_CV = logp_CV.exp_().mul_(weight_CV).neg_()
-            g_CV.scatter_add_(-1, tokens[s : s + C, None], g_lp)
-            if temperature != 1.0:
-                g_CV.div_(temperature)
-            grad_logits[s : s + C] = g_CV
+            rows = slice(s, s + C)
+            g_ent = _column(grad_ent_T, rows, logits) if has_ent_grad else None
+            _backward_chunk(
+                logits[rows], tokens[rows], temperature, _column(grad_lp_T, rows, logits), g_ent,
+                ent_T[rows] if has_ent_grad else None, grad_logits[rows],
+            )
         return grad_logits, None, None, None, None, None
 
 
-def _column(grad_T: torch.Tensor | None, s: int, C: int, logits: torch.Tensor) -> torch.Tensor:
+def _backward_chunk(logits_CV, tokens_C, temperature, g_lp_C1, g_ent_C1, ent_C, grad_out_CV) -> None:
+    # d lp / d x = onehot - p ;  d H / d x = -p * (log p + H) ;  d x / d logit = 1 / temperature
+    logp_CV = torch.log_softmax(_upcast_chunk(logits_CV, temperature), dim=-1)
+    weight_CV = g_lp_C1 if g_ent_C1 is None else logp_CV.add(ent_C[:, None]).mul_(g_ent_C1).add_(g_lp_C1)
+    g_CV = logp_CV.exp_().mul_(weight_CV).neg_()
+    g_CV.scatter_add_(-1, tokens_C[:, None], g_lp_C1)
+    if temperature != 1.0:
+        g_CV.div_(temperature)
+    grad_out_CV.copy_(g_CV)
+
+
+def _column(grad_T: torch.Tensor | None, rows: slice, logits: torch.Tensor) -> torch.Tensor:
+    """[C, 1] FP32 slice of an incoming per-token gradient (zeros where autograd passed None)."""
     if grad_T is None:
-        return torch.zeros(min(C, logits.shape[0] - s), 1, dtype=torch.float32, device=logits.device)
-    return grad_T[s : s + C, None].float()
+        return torch.zeros(len(range(*rows.indices(logits.shape[0]))), 1, dtype=torch.float32, device=logits.device)
+    return grad_T[rows, None].float()
