@@ -59,7 +59,7 @@ class Baseline:
                                     f"engines loaded (a directory of *.safetensors or one file)")
         entries, checksums = {}, {}
         for file in files:
-            file_entries, metadata = read_header(file)
+            file_entries, metadata, _ = read_header(file)
             for name, entry in file_entries.items():
                 if name in entries:
                     raise ValueError(f"tensor {name!r} appears in both {entries[name].file} and {file}; "
@@ -74,30 +74,38 @@ class Baseline:
     def layout(self, name: str) -> Layout:
         return self._entry(name).layout
 
-    def _entry(self, name: str) -> HeaderEntry:
+    def _entry(self, name: str, expected: Layout | None = None) -> HeaderEntry:
         try:
             return self.entries[name]
         except KeyError:
             close = difflib.get_close_matches(name, self.entries, n=3)
+            emits = f" (the trainer emits {expected})" if expected else ""
             raise MissingTensorError(
-                f"tensor {name!r} is not in the baseline {self.source} ({len(self.entries)} tensors"
+                f"tensor {name!r}{emits} is not in the baseline {self.source} ({len(self.entries)} tensors"
                 f"{'; close names: ' + str(close) if close else ''}); the trainer emits it, so the baseline must "
                 f"hold it with the same layout: re-export the baseline from the trainer's weights") from None
 
     def read_bytes(self, name: str, expected: Layout) -> np.ndarray:
         """The tensor's bytes (a fresh uint8 array) after checking its layout against ``expected`` and its
         recorded checksum, if any."""
-        entry = self._entry(name)
+        entry = self._entry(name, expected)
         if entry.layout.dtype not in TORCH_DTYPE:
             raise ValueError(
                 f"tensor {name!r}: the baseline {entry.file} stores dtype {entry.layout.dtype!r} "
                 f"{list(entry.layout.shape)} ({entry.layout.nbytes} bytes), which has no torch dtype here "
                 f"(supported: {sorted(TORCH_DTYPE)}); the trainer emits {expected}. Re-export the baseline.")
+        if entry.layout.expected_nbytes() != entry.layout.nbytes:
+            raise ValueError(
+                f"tensor {name!r}: the baseline {entry.file} header says {entry.layout.dtype}"
+                f"{list(entry.layout.shape)} but its data_offsets span {entry.layout.nbytes} bytes "
+                f"({entry.layout.expected_nbytes()} expected): baseline {entry.layout}, the trainer emits {expected}. "
+                f"The header is inconsistent; re-export the baseline.")
         check_layout(name, entry.layout, expected, got_from=f"the baseline {entry.file}")
         data = np.fromfile(entry.file, dtype=np.uint8, count=entry.layout.nbytes, offset=entry.offset)
         if data.size != entry.layout.nbytes:
-            raise ValueError(f"tensor {name!r}: read {data.size} of {entry.layout.nbytes} bytes from {entry.file}; "
-                             f"the file is truncated, copy it again")
+            raise ValueError(
+                f"tensor {name!r}: the baseline {entry.file} is truncated: {entry.layout} at byte {entry.offset} "
+                f"but only {data.size} bytes could be read (the trainer emits {expected}); copy the file again")
         self._verify(name, entry, data)
         return data
 

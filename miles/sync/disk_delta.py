@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from miles.atomic import atomic_write_text, fsync_dir
+from miles.sync.base import call
 from miles.sync.baseline import Baseline, MissingTensorError, save_baseline, trainer_layout
 from miles.sync.collective_errors import CollectiveError, HeldError, RankError, gather_or_raise, raise_together
 from miles.sync.delta_codec import CHECKSUMS, TensorEncoder, checksum
@@ -246,8 +247,13 @@ class DiskDeltaSync:
     # -- engine side (rank 0) -----------------------------------------------------------------------------------
 
     def _update_engines(self, version: int, gathered: list[dict]) -> None:
-        for engine in self.engines:
-            _call(engine, "update_weights_from_disk", str(self.root), version)
+        for engine in self.engines:  # pause -> flush -> load -> version -> continue, like every transport
+            _maybe_call(engine, "pause_generation", "in_place")
+            _maybe_call(engine, "flush_cache")
+            try:
+                call(engine, "update_weights_from_disk", str(self.root), version)
+            finally:
+                _maybe_call(engine, "continue_generation")
         if self.config.check_weights:
             expected = {n: d for g in gathered for n, (_, d) in g["emitted"].items()}
             for i, engine in enumerate(self.engines):
@@ -288,14 +294,9 @@ def _owners(emitted_by_rank: list[dict[str, tuple[tuple, str]]]) -> dict[str, in
     return {name: rank for name, (rank, _, _) in first.items()}
 
 
-def _call(engine, method: str, *args):
-    """Call a method on an in-process engine or a Ray actor handle."""
-    fn = getattr(engine, method)
-    if hasattr(fn, "remote"):
-        import ray
-
-        return ray.get(fn.remote(*args))
-    return fn(*args)
+def _maybe_call(engine, method: str, *args) -> None:
+    if hasattr(engine, method):
+        call(engine, method, *args)
 
 
 def engine_weight_version(engine) -> int:
@@ -314,7 +315,7 @@ def check_engine_weights(engine, expected: dict[str, str], version: int, checksu
     got_version = engine_weight_version(engine)
     if got_version != version:
         raise RuntimeError(f"{label} reports weight_version {got_version} after syncing version {version}")
-    weights = _call(engine, "named_weights")
+    weights = call(engine, "named_weights")
     for name, digest in expected.items():
         if name not in weights:
             raise MissingTensorError(f"check_weights: {label} has no tensor {name!r} after version {version}")
