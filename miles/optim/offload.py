@@ -143,6 +143,7 @@ class ChunkedOptimizerStateOffloader:
             opt.register_step_pre_hook(self._before_step)
             opt.register_state_dict_pre_hook(lambda _opt: self.restore())
             opt.register_load_state_dict_pre_hook(lambda _opt, _sd: self._before_load())
+            opt.register_load_state_dict_post_hook(_own_loaded_state)
 
     # -- the allocator: the only thing the disk subclass overrides --------------------------------------------
     def _allocate_chunk(self, index: int, nbytes: int, pin: bool) -> HostChunk:
@@ -156,6 +157,12 @@ class ChunkedOptimizerStateOffloader:
         storages = unique_storages(_state_tensors(self.optimizer) + self.master_params)
         if not storages:
             return 0
+        fixed = [s for s in storages if not s.resizable()]
+        if fixed:
+            raise RuntimeError(
+                f"{len(fixed)} optimizer-state storages cannot be resized (e.g. loaded from a file mapping); "
+                "clone the state tensors, or load them with optimizer.load_state_dict (which does)"
+            )
         t0 = time.perf_counter()
         self._ensure_chunks(storages)
         self._copy_out()
@@ -324,6 +331,14 @@ class ChunkedOptimizerStateOffloader:
                 )
             events[slot].record()
         torch.cuda.current_stream().synchronize()
+
+
+def _own_loaded_state(optimizer: torch.optim.Optimizer) -> None:
+    """load_state_dict may keep the caller's tensors (torch.load storages cannot be resized): copy those."""
+    for st in optimizer.state.values():
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor) and not _local(v).untyped_storage().resizable():
+                st[k] = v.clone()
 
 
 def _drain_staging(event: torch.cuda.Event, staging: torch.Tensor, chunk: HostChunk) -> None:
