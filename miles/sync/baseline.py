@@ -82,8 +82,8 @@ class Baseline:
             emits = f" (the trainer emits {expected})" if expected else ""
             raise MissingTensorError(
                 f"tensor {name!r}{emits} is not in the baseline {self.source} ({len(self.entries)} tensors"
-                f"{'; close names: ' + str(close) if close else ''}); the trainer emits it, so the baseline must "
-                f"hold it with the same layout: re-export the baseline from the trainer's weights") from None
+                f"{'; close names: ' + str(close) if close else ''}); every tensor the trainer emits must be in the "
+                f"baseline with the same layout: re-export the baseline from the trainer's weights") from None
 
     def read_bytes(self, name: str, expected: Layout) -> np.ndarray:
         """The tensor's bytes (a fresh uint8 array) after checking its layout against ``expected`` and its
