@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import sys
+import threading
+import time
 from pathlib import Path
 
 from fastapi import FastAPI, HTTPException, Query
@@ -91,16 +94,76 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket; port 0 picks a free one (read it back with sock.getsockname()[1])."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port} ({e.strerror}); pick another --port, or 0 for any free one") from e
+    sock.listen(128)
+    sock.set_inheritable(True)
+    return sock
+
+
+def _uvicorn_server(app: FastAPI):
     import uvicorn
 
+    return uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
+
+
+class DashboardServer:
+    """The dashboard served from a background thread, for notebooks, tests and benchmarks.
+
+    with DashboardServer(run_dir) as server:     # 127.0.0.1, a free port
+        httpx.get(server.url + "api/steps")
+    # or: server = DashboardServer(run_dir).start(); ...; server.stop()
+    """
+
+    def __init__(self, run_dir: str | os.PathLike, *, follow: bool = False, host: str = "127.0.0.1", port: int = 0):
+        self.app = create_app(run_dir, follow=follow)
+        self.sock = bind(host, port)
+        self.host, self.port = host, self.sock.getsockname()[1]
+        self.url = f"http://{'[' + host + ']' if ':' in host else host}:{self.port}/"
+        self._server = _uvicorn_server(self.app)
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def start(self, timeout_s: float = 10.0) -> "DashboardServer":
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the dashboard server on {self.url} did not start within {timeout_s} s")
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=10)
+        self.sock.close()
+
+    def __enter__(self) -> "DashboardServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
     if not Path(args.run_dir).is_dir():
         print(f"miles dashboard: {args.run_dir} is not a directory; pass a run_dir written by `miles train`", file=sys.stderr)
         return 2
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"miles dashboard: serving on {args.host}: anyone who can reach it can read this run", file=sys.stderr)
-    app = create_app(args.run_dir, follow=args.follow)
-    print(f"miles dashboard: http://{args.host}:{args.port}/  ({args.run_dir}{', following' if args.follow else ''})")
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    sock = bind(args.host, args.port)
+    port = sock.getsockname()[1]
+    print(f"miles dashboard: http://{args.host}:{port}/  ({args.run_dir}{', following' if args.follow else ''})", flush=True)
+    try:
+        _uvicorn_server(create_app(args.run_dir, follow=args.follow)).run(sockets=[sock])
+    finally:
+        sock.close()
     return 0

@@ -298,6 +298,7 @@ class RunDirReader:
         the header. The header holds the sample's metadata with prompt_text and response_text.
         """
         meta = self.sample_meta(step, row)
+        num_samples = len(self.step_index(step)["samples"])
         step_dir = self.path(ROLLOUTS, step_dir_name(step))
         n, start = meta["num_tokens"], meta["token_start"]
         ranges, layout, offset = [], [], 0  # (file, byte start, byte count) per column
@@ -309,7 +310,7 @@ class RunDirReader:
         text_bytes = meta["token_text_bytes"]
         ranges.append((step_dir / "token_text.utf8", meta["token_text_start"], text_bytes))
         layout.append({"name": "token_text", "dtype": "utf8", "offset": offset, "length": text_bytes})
-        header = {"step": step, "sample": {**meta, **self._texts(step_dir, meta)}, "num_tokens": n, "columns": layout}
+        header = {"step": step, "step_num_samples": num_samples, "sample": {**meta, **self._texts(step_dir, meta)}, "num_tokens": n, "columns": layout}
         head = json.dumps(header, allow_nan=False).encode()
         head += b" " * (_pad8(8 + len(head)) - 8 - len(head))
         prefix = SAMPLE_MAGIC + len(head).to_bytes(4, "little") + head

@@ -1,0 +1,399 @@
+// The dashboard page: tabs over one run directory (metrics, memory timeline, rollout table, sample view).
+// Panes are hidden, never detached, so a built token strip keeps its DOM and scroll position across tab
+// switches. The URL hash is the route: #metrics, #memory, #rollouts/STEP, #sample/STEP/ROW.
+
+import { TokenStrip, parseSample, colorScale, STATS } from "./strip.js";
+import { drawLineChart, drawMemoryTimeline, drawTokenChart, formatValue, formatBytes, PALETTE } from "./charts.js";
+
+const $ = (id) => document.getElementById(id);
+const TABS = ["metrics", "memory", "rollouts", "sample"];
+const FIRST_METRICS = ["reward", "loss", "kl", "entropy", "tokens_per_s"];
+const POLL_MS = 2000;
+
+async function getJSON(url) {
+  const r = await fetch(url);
+  if (!r.ok) throw new Error(`${url}: HTTP ${r.status}`);
+  return r.json();
+}
+
+const escapeHTML = (s) => String(s ?? "").replace(/[&<>"]/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;" })[c]);
+
+class Dashboard {
+  constructor() {
+    this.metrics = [];
+    this.metricsOffset = 0;
+    this.ledger = [];
+    this.ledgerOffset = 0;
+    this.steps = [];
+    this.tableStep = null;
+    this.followLatest = true;
+    this.samples = [];
+    this.sort = { key: "row", dir: "asc" };
+    this.sampleKey = null;  // "step/row" of the sample in the strip
+    this.data = null;
+    this.loadSeq = 0;
+    this.dirty = { metrics: true, memory: true };
+    this.tab = null;
+    this.strip = new TokenStrip($("strip"));
+  }
+
+  async start() {
+    const info = await getJSON("/api/info");
+    $("run-name").textContent = info.name;
+    document.title = `miles · ${info.name}`;
+    $("live").textContent = info.follow ? "● live" : "";
+    for (const b of document.querySelectorAll("#tabs button")) b.onclick = () => this.openTab(b.dataset.tab);
+    this.bindSampleControls();
+    this.bindTable();
+    await Promise.all([this.pollJsonl("metrics"), this.pollJsonl("ledger"), this.pollSteps()]);
+    window.addEventListener("hashchange", () => this.route());
+    window.addEventListener("resize", () => { this.dirty.metrics = this.dirty.memory = true; this.renderVisible(); });
+    this.route();
+    if (info.follow) setInterval(() => this.poll(), POLL_MS);
+    document.body.dataset.ready = "1";
+  }
+
+  async poll() {
+    try {
+      await Promise.all([this.pollJsonl("metrics"), this.pollJsonl("ledger"), this.pollSteps()]);
+      this.renderVisible();
+    } catch (e) {
+      $("live").textContent = `● offline (${e.message})`;
+    }
+  }
+
+  async pollJsonl(name) {
+    for (;;) {  // the server returns at most a few MiB per call: keep reading until caught up
+      const offset = this[`${name}Offset`];
+      const page = await getJSON(`/api/${name}?offset=${offset}`);
+      if (page.rows.length) { this[name].push(...page.rows); this.dirty[name === "ledger" ? "memory" : "metrics"] = true; }
+      this[`${name}Offset`] = page.next_offset;
+      if (page.next_offset === offset || !page.rows.length) return;
+    }
+  }
+
+  async pollSteps() {
+    const { steps } = await getJSON("/api/steps");
+    if (steps.length === this.steps.length && steps.at(-1)?.step === this.steps.at(-1)?.step) return;
+    this.steps = steps;
+    const select = $("step-select");
+    select.innerHTML = steps.map((s) => `<option value="${s.step}">${s.step}</option>`).join("");
+    if (this.followLatest && steps.length) this.tableStep = steps.at(-1).step;
+    if (this.tableStep !== null) select.value = String(this.tableStep);
+    $("rollouts-empty").hidden = steps.length > 0;
+    if (this.tab === "rollouts" && this.tableStep !== null) await this.loadTable(this.tableStep);
+  }
+
+  // ---- routing and tabs ----
+  route() {
+    const [tab, a, b] = (location.hash.slice(1) || "metrics").split("/");
+    const name = TABS.includes(tab) ? tab : "metrics";
+    if (name === "rollouts" && a !== undefined && /^\d+$/.test(a)) { this.tableStep = Number(a); this.followLatest = false; }
+    this.showTab(name);
+    if (name === "rollouts" && this.tableStep !== null) this.loadTable(this.tableStep);
+    if (name === "sample" && /^\d+$/.test(a ?? "") && /^\d+$/.test(b ?? "")) this.openSample(Number(a), Number(b));
+  }
+
+  openTab(name) {
+    if (name === "sample" && this.sampleKey) location.hash = `#sample/${this.sampleKey}`;
+    else if (name === "rollouts" && this.tableStep !== null) location.hash = `#rollouts/${this.tableStep}`;
+    else location.hash = `#${name}`;
+  }
+
+  showTab(name) {
+    if (this.tab === "sample" && name !== "sample") this.rememberStripScroll();
+    this.tab = name;
+    for (const t of TABS) $(`pane-${t}`).hidden = t !== name;
+    for (const b of document.querySelectorAll("#tabs button")) b.classList.toggle("active", b.dataset.tab === name);
+    this.renderVisible();
+  }
+
+  // Hidden panes have no layout: the strip's scroll offset is put back once the pane is shown again,
+  // unless the first scroll (to the first response token) is still waiting to run.
+  rememberStripScroll() {
+    if (!this.data || this.strip._pendingShown) return;
+    const saved = this.strip.el.scrollTop;
+    this.strip.onShown(() => { if (this.strip.el.scrollTop !== saved) this.strip.el.scrollTop = saved; this.drawTokenChart(); });
+  }
+
+  renderVisible() {
+    if (this.tab === "metrics" && this.dirty.metrics) { this.renderMetrics(); this.dirty.metrics = false; }
+    if (this.tab === "memory" && this.dirty.memory) { this.renderMemory(); this.dirty.memory = false; }
+    if (this.tab === "sample" && this.data) this.drawTokenChart();
+  }
+
+  // ---- metrics ----
+  renderMetrics() {
+    const rows = this.metrics;
+    $("metrics-empty").hidden = rows.length > 0;
+    const keys = new Set();
+    for (const r of rows) for (const [k, v] of Object.entries(r)) if (k !== "step" && typeof v === "number") keys.add(k);
+    const groups = new Map([["training", []]]);
+    const ordered = [...FIRST_METRICS.filter((k) => keys.has(k)), ...[...keys].filter((k) => !FIRST_METRICS.includes(k)).sort()];
+    for (const k of ordered) {
+      const group = k.includes("/") ? k.split("/")[0] : "training";
+      if (!groups.has(group)) groups.set(group, []);
+      groups.get(group).push(k);
+    }
+    const root = $("metrics-groups");
+    root.textContent = "";
+    let color = 0;
+    for (const [group, names] of groups) {
+      if (!names.length) continue;
+      root.insertAdjacentHTML("beforeend", `<h2>${escapeHTML(group)}</h2><div class="grid"></div>`);
+      const grid = root.lastElementChild;
+      for (const key of names) {
+        const pts = rows.filter((r) => typeof r[key] === "number");
+        const xs = pts.map((r, i) => (typeof r.step === "number" ? r.step : i));
+        const ys = pts.map((r) => r[key]);
+        const card = document.createElement("div");
+        card.className = "card";
+        card.dataset.metric = key;
+        card.innerHTML = `<div class="title"><b>${escapeHTML(key)}</b><span>${formatValue(ys.at(-1), key)}</span></div><canvas></canvas>`;
+        grid.appendChild(card);
+        const c = PALETTE[color++ % PALETTE.length];
+        const canvas = card.querySelector("canvas");
+        const chart = drawLineChart(canvas, xs, ys, { key, color: c });
+        canvas.onmousemove = (e) => {
+          const x = e.offsetX;
+          let best = 0;
+          for (let i = 1; i < xs.length; i++) if (Math.abs(chart.X(xs[i]) - x) < Math.abs(chart.X(xs[best]) - x)) best = i;
+          card.querySelector(".title span").textContent = `step ${xs[best]}: ${formatValue(ys[best], key)}`;
+        };
+        canvas.onmouseleave = () => { card.querySelector(".title span").textContent = formatValue(ys.at(-1), key); };
+      }
+    }
+  }
+
+  // ---- memory ----
+  renderMemory() {
+    const series = memorySeries(this.ledger);
+    $("memory-empty").hidden = this.ledger.length > 0;
+    const colors = {};
+    series.allTags.forEach((t, i) => { colors[t] = PALETTE[i % PALETTE.length]; });
+    $("memory-legend").innerHTML = series.allTags.map((t) => `<span><i style="background:${colors[t]}"></i>${escapeHTML(t)}</span>`).join("");
+    const root = $("memory-pools");
+    root.textContent = "";
+    for (const [pool, s] of Object.entries(series.pools)) {
+      const card = document.createElement("div");
+      card.className = "card";
+      card.dataset.pool = pool;
+      card.innerHTML = `<div class="title"><b>${escapeHTML(pool)}</b><span>peak ${formatBytes(s.peak)}</span></div><canvas></canvas>`;
+      root.appendChild(card);
+      const canvas = card.querySelector("canvas");
+      const chart = drawMemoryTimeline(canvas, { ...s, steps: series.steps }, colors);
+      canvas.onmousemove = (e) => {
+        const t = chart.t0 + ((e.offsetX - 64) / (canvas.clientWidth - 74)) * (s.t1 - chart.t0);
+        let i = 0;
+        while (i + 1 < s.times.length && s.times[i + 1] <= t) i++;
+        const parts = s.tags.map((tag, k) => `${tag} ${formatBytes(s.held[i][k])}`).filter((_, k) => s.held[i][k]);
+        card.querySelector(".title span").textContent = `${s.phases[i] || ""} @ ${Math.max(0, t).toFixed(2)} s: ${parts.join(", ") || "empty"}`;
+      };
+      canvas.onmouseleave = () => { card.querySelector(".title span").textContent = `peak ${formatBytes(s.peak)}`; };
+      root.appendChild(document.createElement("div")).style.height = "10px";
+    }
+  }
+
+  // ---- rollout table ----
+  bindTable() {
+    $("step-select").onchange = (e) => { this.followLatest = false; location.hash = `#rollouts/${e.target.value}`; };
+    for (const th of document.querySelectorAll("#rollout-table th")) {
+      th.onclick = () => {
+        const key = th.dataset.key;
+        this.sort = { key, dir: this.sort.key === key && this.sort.dir === "asc" ? "desc" : "asc" };
+        this.renderTable();
+      };
+    }
+    $("rollout-table").querySelector("tbody").onclick = (e) => {
+      const tr = e.target.closest("tr[data-row]");
+      if (tr) location.hash = `#sample/${this.tableStep}/${tr.dataset.row}`;
+    };
+  }
+
+  async loadTable(step) {
+    const { samples } = await getJSON(`/api/steps/${step}/samples`);
+    this.tableStep = step;
+    this.samples = samples;
+    $("step-select").value = String(step);
+    const s = this.steps.find((x) => x.step === step);
+    $("step-summary").textContent = s ? `${s.num_samples} samples · ${s.num_tokens.toLocaleString()} tokens · mean reward ${formatValue(s.mean_reward)}` : "";
+    this.renderTable();
+  }
+
+  renderTable() {
+    const { key, dir } = this.sort;
+    const sign = dir === "asc" ? 1 : -1;
+    const rows = [...this.samples].sort((a, b) => {
+      const x = a[key] ?? -Infinity;
+      const y = b[key] ?? -Infinity;
+      return (x < y ? -1 : x > y ? 1 : a.row - b.row) * sign;
+    });
+    for (const th of document.querySelectorAll("#rollout-table th")) th.dataset.dir = th.dataset.key === key ? dir : "";
+    const maxReward = Math.max(1e-9, ...this.samples.map((s) => Math.abs(s.reward ?? 0)));
+    $("rollout-table").querySelector("tbody").innerHTML = rows.map((s) => `<tr data-row="${s.row}">
+      <td class="num">${s.row}</td>
+      <td><span class="chip" style="background:${PALETTE[(s.group ?? 0) % PALETTE.length]}"></span>${escapeHTML(s.group)}</td>
+      <td class="num">${formatValue(s.reward)}<span class="reward-bar" style="width:${Math.round(40 * Math.abs(s.reward ?? 0) / maxReward)}px"></span></td>
+      <td class="num">${s.num_tokens}</td><td class="num">${s.response_len}</td>
+      <td>${escapeHTML(s.finish_reason)}</td><td class="num">${escapeHTML(s.weight_version)}</td>
+      <td class="wide">${escapeHTML(s.preview)}</td></tr>`).join("");
+  }
+
+  // ---- sample view ----
+  bindSampleControls() {
+    const select = $("color-by");
+    select.innerHTML = Object.entries(STATS).map(([k, v]) => `<option value="${k}">${v.label}</option>`).join("");
+    select.onchange = () => this.recolor(select.value);
+    $("prev-sample").onclick = () => this.stepSample(-1);
+    $("next-sample").onclick = () => this.stepSample(+1);
+    const strip = $("strip");
+    const tip = $("tooltip");
+    strip.addEventListener("mouseover", (e) => {
+      const i = this.strip.tokenAt(e.target);
+      if (i < 0) { tip.hidden = true; return; }
+      tip.textContent = this.tokenStats(i);
+      tip.hidden = false;
+    });
+    strip.addEventListener("mousemove", (e) => {
+      tip.style.left = `${Math.min(e.clientX + 14, window.innerWidth - tip.offsetWidth - 8)}px`;
+      tip.style.top = `${Math.min(e.clientY + 16, window.innerHeight - tip.offsetHeight - 8)}px`;
+    });
+    strip.addEventListener("mouseleave", () => { tip.hidden = true; });
+    let queued = false;
+    strip.addEventListener("scroll", () => {
+      if (queued) return;
+      queued = true;
+      requestAnimationFrame(() => { queued = false; this.drawTokenChart(); });
+    });
+    $("token-chart").onclick = (e) => { if (this.chart) this.strip.scrollToToken(this.chart.toToken(e.offsetX)); };
+  }
+
+  stepSample(delta) {
+    if (!this.data) return;
+    const row = this.data.sample.row + delta;
+    if (row >= 0 && row < this.data.header.step_num_samples) location.hash = `#sample/${this.data.header.step}/${row}`;
+  }
+
+  tokenStats(i) {
+    const d = this.data;
+    const f = (v) => (Number.isFinite(v) ? v.toFixed(4) : "–");
+    const text = JSON.stringify(d.text.slice(d.textStart[i], d.textStart[i + 1]));
+    const where = i < d.promptLen ? "prompt" : `response #${i - d.promptLen}`;
+    return [`token ${i} (${where})  id ${d.tokens[i]}  ${text}`,
+      `loss mask      ${d.mask[i]}`,
+      `rollout logp   ${f(d.stats.rollout_log_probs[i])}`,
+      `train logp     ${f(d.stats.train_log_probs[i])}`,
+      `train−rollout  ${f(d.stats.diff[i])}`,
+      `advantage      ${f(d.stats.advantages[i])}`,
+      `entropy        ${f(d.stats.entropy[i])}`].join("\n");
+  }
+
+  // One request per sample: the binary payload feeds the conversation, the strip and the per-token chart.
+  async openSample(step, row) {
+    const key = `${step}/${row}`;
+    if (key === this.sampleKey) return;
+    this.sampleKey = key;
+    const seq = ++this.loadSeq;
+    const pane = $("pane-sample");
+    pane.dataset.state = "loading";
+    $("sample-status").textContent = "loading…";
+    $("sample-title").textContent = `step ${step} · sample ${row}`;
+    let data;
+    try {
+      const r = await fetch(`/api/steps/${step}/samples/${row}`);
+      if (!r.ok) throw new Error((await r.json()).detail ?? `HTTP ${r.status}`);
+      data = parseSample(await r.arrayBuffer());
+    } catch (e) {
+      if (seq === this.loadSeq) { pane.dataset.state = "error"; $("sample-status").textContent = String(e.message); }
+      return;
+    }
+    if (seq !== this.loadSeq) return;  // a newer sample was asked for meanwhile
+    this.showSample(data);
+  }
+
+  showSample(data) {
+    const t0 = performance.now();
+    this.data = data;
+    const s = data.sample;
+    $("sample-title").textContent = `step ${data.header.step} · sample ${s.row} · group ${s.group ?? "–"} · reward ${formatValue(s.reward)}`;
+    $("prompt-text").textContent = s.prompt_text;
+    $("response-text").textContent = s.response_text;
+    this.strip.stat = $("color-by").value;
+    this.strip.build(data);
+    this.updateLegend();
+    $("sample-status").textContent = `${data.n.toLocaleString()} tokens (${data.promptLen} prompt) · ${s.finish_reason ?? ""} · built in ${(performance.now() - t0).toFixed(0)} ms`;
+    $("pane-sample").dataset.state = "ready";
+    this.strip.onShown(() => {
+      this.strip.scrollToToken(data.promptLen);
+      this.drawTokenChart();
+      $("pane-sample").dataset.scrolled = this.sampleKey;
+    });
+  }
+
+  recolor(stat) {
+    this.strip.recolor(stat);
+    this.updateLegend();
+    this.drawTokenChart();
+  }
+
+  updateLegend() {
+    const stat = this.strip.stat;
+    if (!this.data || stat === "none") { $("legend").innerHTML = ""; return; }
+    const { scale } = colorScale(this.data, stat);
+    const bar = STATS[stat].diverging ? "linear-gradient(90deg, rgba(37,99,235,.8), #fff, rgba(220,38,38,.8))"
+      : "linear-gradient(90deg, #fff, rgba(124,58,237,.8))";
+    const lo = STATS[stat].diverging ? formatValue(-scale) : "0";
+    $("legend").innerHTML = `${lo}<span class="bar" style="background:${bar}"></span>${formatValue(scale)}`;
+  }
+
+  visibleTokens() {
+    const el = this.strip.el;
+    const r = el.getBoundingClientRect();
+    if (!r.height) return null;
+    const at = (y) => {
+      const hit = document.elementFromPoint(r.left + 80, y);
+      if (!hit || !el.contains(hit)) return -1;
+      return hit.classList.contains("blk") ? Number(hit.dataset.start) : this.strip.tokenAt(hit);
+    };
+    const first = at(r.top + 8);
+    const last = at(r.bottom - 8);
+    if (first < 0) return null;
+    return [first, last < 0 ? this.data.n : last];
+  }
+
+  drawTokenChart() {
+    if (!this.data || this.tab !== "sample") return;
+    const stat = this.strip.stat === "none" ? "diff" : this.strip.stat;
+    this.chart = drawTokenChart($("token-chart"), this.data, stat, this.visibleTokens());
+  }
+}
+
+// Bytes held per (pool, tag) after every ledger event, for the stacked timelines.
+export function memorySeries(rows) {
+  const events = rows.filter((e) => typeof e.time === "number" && typeof e.bytes === "number").sort((a, b) => a.time - b.time);
+  const t0 = events[0]?.time ?? 0;
+  const t1 = (events.at(-1)?.time ?? 1) - t0;
+  const pools = {};
+  const allTags = [];
+  const steps = [];
+  let lastStep;
+  for (const e of events) {
+    const t = e.time - t0;
+    if (e.step !== undefined && e.step !== lastStep) { steps.push({ time: t, step: e.step }); lastStep = e.step; }
+    if (!allTags.includes(e.tag)) allTags.push(e.tag);
+    const p = (pools[e.pool] ||= { tags: [], held: [], times: [], phases: [], current: [], peak: 0, t0: 0, t1 });
+    let k = p.tags.indexOf(e.tag);
+    if (k < 0) { k = p.tags.length; p.tags.push(e.tag); p.current.push(0); for (const h of p.held) h.push(0); }
+    p.current[k] = Math.max(0, p.current[k] + (e.direction === "out" ? -e.bytes : e.bytes));
+    p.times.push(t);
+    p.phases.push(e.phase);
+    p.held.push([...p.current]);
+    p.peak = Math.max(p.peak, p.current.reduce((a, b) => a + b, 0));
+  }
+  const order = ["device", "host", "disk"];
+  const sorted = Object.fromEntries(Object.entries(pools).sort(([a], [b]) => order.indexOf(a) - order.indexOf(b)));
+  return { pools: sorted, allTags, steps };
+}
+
+window.miles = new Dashboard();
+window.miles.start();

@@ -1,0 +1,239 @@
+// The token strip: one scroll box holding a sample's whole token sequence, built once.
+//
+// A sample arrives in ONE binary response (parseSample) that feeds the strip, the per-token chart and the
+// conversation. The strip is split into blocks of BLOCK tokens with `content-visibility: auto`: a block
+// holds plain text until it comes near the viewport, then its tokens become spans (materialise). The
+// browser lays out and paints only blocks near the viewport, so a 64k-token sample is ready in a few
+// tens of ms, yet the box scrolls through the whole sequence. mode "naive" builds every span up front
+// (the reference the fast path is compared with, in the tests and in `miles bench dashboard`).
+// Recolouring repaints span backgrounds and never rebuilds, so the scroll position survives it.
+//
+//   const strip = new TokenStrip(el);
+//   strip.build(parseSample(buffer));   // once per sample
+//   strip.recolor("advantages");        // any number of times
+//   strip.onShown(() => strip.scrollToToken(strip.data.promptLen));  // one-shot, waits for a layout box
+
+export const BLOCK = 256;
+export const STATS = {
+  diff: { label: "train − rollout log-prob", diverging: true },
+  advantages: { label: "advantage", diverging: true },
+  entropy: { label: "entropy", diverging: false },
+  rollout_log_probs: { label: "rollout log-prob", diverging: false },
+  none: { label: "none", diverging: false },
+};
+
+const MAGIC = "MLSD";
+const ARRAYS = { int32: Int32Array, uint32: Uint32Array, uint8: Uint8Array, float32: Float32Array };
+
+export function parseSample(buffer) {
+  const head = new Uint8Array(buffer, 0, 8);
+  if (String.fromCharCode(...head.subarray(0, 4)) !== MAGIC) throw new Error("not a miles sample payload");
+  const headerLen = new DataView(buffer).getUint32(4, true);
+  const header = JSON.parse(new TextDecoder().decode(new Uint8Array(buffer, 8, headerLen)));
+  const base = 8 + headerLen;
+  const cols = {};
+  for (const c of header.columns) {
+    if (c.dtype === "utf8") cols[c.name] = new TextDecoder().decode(new Uint8Array(buffer, base + c.offset, c.length));
+    else cols[c.name] = new ARRAYS[c.dtype](buffer, base + c.offset, c.length);
+  }
+  const n = header.num_tokens;
+  const textStart = new Uint32Array(n + 1);  // token i's text is text.slice(textStart[i], textStart[i + 1])
+  for (let i = 0; i < n; i++) textStart[i + 1] = textStart[i] + cols.token_text_len[i];
+  const diff = new Float32Array(n);
+  for (let i = 0; i < n; i++) diff[i] = cols.train_log_probs[i] - cols.rollout_log_probs[i];
+  return {
+    header, sample: header.sample, n, promptLen: header.sample.prompt_len, text: cols.token_text, textStart,
+    tokens: cols.tokens, mask: cols.loss_mask,
+    stats: { diff, advantages: cols.advantages, entropy: cols.entropy, rollout_log_probs: cols.rollout_log_probs,
+             train_log_probs: cols.train_log_probs },
+  };
+}
+
+// A colour per token for one stat: diverging blue-white-red around 0, or sequential white-purple from 0;
+// the scale is the 99th percentile of |value| over response tokens, so one outlier does not wash out the
+// rest. Colours are quantised to LEVELS steps per sign, so a 64k-token sample needs no 64k string formats.
+const LEVELS = 32;
+const PALETTES = {
+  pos: levels("220,38,38"), neg: levels("37,99,235"), seq: levels("124,58,237"),
+};
+
+function levels(rgb) {
+  return Array.from({ length: LEVELS + 1 }, (_, k) => `rgba(${rgb},${(0.08 + (0.72 * k) / LEVELS).toFixed(3)})`);
+}
+
+export function colorScale(data, stat) {
+  const values = data.stats[stat];
+  if (!values) return { colors: null, scale: 0 };
+  const abs = new Float32Array(data.n - data.promptLen);
+  let m = 0;
+  for (let i = data.promptLen; i < data.n; i++) if (Number.isFinite(values[i])) abs[m++] = Math.abs(values[i]);
+  const sorted = abs.subarray(0, m).sort();
+  const scale = m ? Math.max(sorted[Math.min(m - 1, Math.floor(m * 0.99))], 1e-6) : 1;
+  const colors = new Array(data.n).fill("");
+  const diverging = STATS[stat].diverging;
+  for (let i = data.promptLen; i < data.n; i++) {
+    const v = values[i];
+    if (!Number.isFinite(v)) continue;
+    const k = Math.round(Math.min(1, Math.abs(v) / scale) * LEVELS);
+    colors[i] = (diverging ? (v >= 0 ? PALETTES.pos : PALETTES.neg) : PALETTES.seq)[k];
+  }
+  return { colors, scale };
+}
+
+export class TokenStrip {
+  constructor(el, { mode = "blocks", blockSize = BLOCK } = {}) {
+    this.el = el;
+    this.mode = mode;
+    this.blockSize = blockSize;
+    this.data = null;
+    this.colors = null;
+    this.stat = "diff";
+    this._pendingShown = null;
+    this._observer = null;
+  }
+
+  build(data) {
+    this.data = data;
+    this.el.textContent = "";
+    this.el.scrollTop = 0;
+    this._observer?.disconnect();
+    this.colors = colorScale(data, this.stat).colors;
+    if (this.mode === "naive") this._buildNaive();
+    else this._buildBlocks();
+    this.el.dataset.built = String(data.n);
+  }
+
+  _buildNaive() {
+    const frag = document.createDocumentFragment();
+    const block = document.createElement("div");
+    block.className = "blk naive";
+    block.dataset.start = "0";
+    this._fillSpans(block, 0, this.data.n);
+    frag.appendChild(block);
+    this.blocks = [{ el: block, start: 0, end: this.data.n, live: true }];
+    this.el.appendChild(frag);
+  }
+
+  _buildBlocks() {
+    const { n, text, textStart } = this.data;
+    const perLine = this._charsPerLine();
+    const frag = document.createDocumentFragment();
+    this.blocks = [];
+    for (let start = 0; start < n; start += this.blockSize) {
+      const end = Math.min(n, start + this.blockSize);
+      const el = document.createElement("div");
+      el.className = "blk";
+      el.dataset.start = String(start);
+      const chunk = text.slice(textStart[start], textStart[end]);
+      el.textContent = chunk;
+      el.style.containIntrinsicSize = `auto ${estimateHeight(chunk, perLine)}px`;
+      this.blocks.push({ el, start, end, live: false });
+      frag.appendChild(el);
+    }
+    this.el.appendChild(frag);
+    // the first response token's block and its neighbours are ready before the first paint
+    const first = this.blockOf(this.data.promptLen);
+    for (let b = Math.max(0, first - 1); b <= Math.min(this.blocks.length - 1, first + 2); b++) this.materialise(b);
+    this._observer = new IntersectionObserver((entries) => {
+      for (const e of entries) if (e.isIntersecting) this.materialise(Number(e.target.dataset.block));
+    }, { root: this.el, rootMargin: "200% 0px" });
+    this.blocks.forEach((b, i) => { b.el.dataset.block = String(i); if (!b.live) this._observer.observe(b.el); });
+  }
+
+  _charsPerLine() {
+    const probe = document.createElement("span");
+    probe.textContent = "0".repeat(64);
+    this.el.appendChild(probe);
+    const charWidth = probe.getBoundingClientRect().width / 64 || 7.8;
+    probe.remove();
+    const width = (this.el.clientWidth || window.innerWidth - 80) - 70;  // minus the gutter and padding
+    return Math.max(8, Math.floor(width / charWidth));
+  }
+
+  materialise(b) {
+    const block = this.blocks[b];
+    if (!block || block.live) return;
+    block.live = true;
+    this._observer?.unobserve(block.el);
+    block.el.textContent = "";
+    this._fillSpans(block.el, block.start, block.end);
+  }
+
+  _fillSpans(parent, start, end) {
+    const { text, textStart, promptLen, mask } = this.data;
+    const frag = document.createDocumentFragment();
+    for (let i = start; i < end; i++) {
+      const s = document.createElement("span");
+      s.textContent = text.slice(textStart[i], textStart[i + 1]);
+      if (i < promptLen) s.className = "p";
+      else if (!mask[i]) s.className = "m";
+      if (this.colors && this.colors[i]) s.style.backgroundColor = this.colors[i];
+      frag.appendChild(s);
+    }
+    parent.appendChild(frag);
+  }
+
+  // Repaint backgrounds only: the spans, their layout and the scroll position stay as they are.
+  recolor(stat) {
+    this.stat = stat;
+    if (!this.data) return;
+    this.colors = colorScale(this.data, stat).colors;
+    for (const block of this.blocks) {
+      if (!block.live) continue;
+      const spans = block.el.children;
+      for (let i = block.start; i < block.end; i++) spans[i - block.start].style.backgroundColor = this.colors?.[i] || "";
+    }
+  }
+
+  blockOf(i) {
+    return Math.min(this.blocks.length - 1, Math.max(0, Math.floor(i / this.blockSize)));
+  }
+
+  span(i) {
+    const b = this.mode === "naive" ? 0 : this.blockOf(i);
+    this.materialise(b);
+    const block = this.blocks[b];
+    return block.el.children[i - block.start];
+  }
+
+  tokenAt(span) {
+    const block = span?.parentElement;
+    if (!block || block.parentElement !== this.el || !block.classList.contains("blk")) return -1;
+    return Number(block.dataset.start) + Array.prototype.indexOf.call(block.children, span);
+  }
+
+  scrollToToken(i, margin = 24) {
+    const target = this.span(Math.min(i, this.data.n - 1));
+    if (!target) return;
+    const top = target.getBoundingClientRect().top - this.el.getBoundingClientRect().top + this.el.scrollTop;
+    this.el.scrollTop = Math.max(0, top - margin);
+  }
+
+  // Runs fn once, as soon as the strip has a layout box: now if it is visible, else when its pane is
+  // shown again (a hidden pane has no layout, and offsetTop is 0 there, e.g. after a tab switch).
+  onShown(fn) {
+    this._pendingShown?.disconnect();
+    if (this.el.getClientRects().length && this.el.clientHeight > 0) { fn(); return; }
+    const ro = new ResizeObserver((entries) => {
+      if (!entries.some((e) => e.contentRect.height > 0)) return;
+      ro.disconnect();
+      this._pendingShown = null;
+      fn();
+    });
+    this._pendingShown = ro;
+    ro.observe(this.el);
+  }
+}
+
+function estimateHeight(chunk, perLine, lineHeight = 20) {
+  let lines = 0;
+  let start = 0;
+  for (;;) {
+    const nl = chunk.indexOf("\n", start);
+    const len = (nl < 0 ? chunk.length : nl) - start;
+    lines += Math.max(1, Math.ceil(len / perLine));
+    if (nl < 0) break;
+    start = nl + 1;
+  }
+  return lines * lineHeight;
+}
