@@ -16,7 +16,9 @@ import threading
 import time
 from pathlib import Path
 
-from fastapi import FastAPI, HTTPException, Query
+from typing import Annotated
+
+from fastapi import FastAPI, Path as PathParam, Query
 from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 
@@ -24,6 +26,11 @@ from miles.dashboard.store import NotInRunDir, RunDirReader
 
 STATIC = Path(__file__).parent / "static"
 MAX_JSONL_BYTES = 4 << 20
+# bounded so that no value a client sends can overflow a seek or a file name: out of range is a 422
+Offset = Annotated[int, Query(ge=0, le=1 << 60)]
+MaxBytes = Annotated[int, Query(ge=1, le=64 << 20)]
+Step = Annotated[int, PathParam(ge=0, le=10**9)]
+Row = Annotated[int, PathParam(ge=0, le=1 << 31)]
 
 
 def create_app(run_dir: str | os.PathLike, *, follow: bool = False) -> FastAPI:
@@ -49,12 +56,12 @@ def create_app(run_dir: str | os.PathLike, *, follow: bool = False) -> FastAPI:
         return reader.config()
 
     @app.get("/api/metrics")
-    def metrics(offset: int = Query(0, ge=0), max_bytes: int = Query(MAX_JSONL_BYTES, ge=1, le=64 << 20)):
+    def metrics(offset: Offset = 0, max_bytes: MaxBytes = MAX_JSONL_BYTES):
         rows, next_offset = reader.read_jsonl("metrics.jsonl", offset, max_bytes)
         return {"rows": rows, "next_offset": next_offset}
 
     @app.get("/api/ledger")
-    def ledger(offset: int = Query(0, ge=0), max_bytes: int = Query(MAX_JSONL_BYTES, ge=1, le=64 << 20)):
+    def ledger(offset: Offset = 0, max_bytes: MaxBytes = MAX_JSONL_BYTES):
         rows, next_offset = reader.read_jsonl("ledger.jsonl", offset, max_bytes)
         return {"rows": rows, "next_offset": next_offset}
 
@@ -63,26 +70,19 @@ def create_app(run_dir: str | os.PathLike, *, follow: bool = False) -> FastAPI:
         return {"steps": reader.steps()}
 
     @app.get("/api/steps/{step}/samples")
-    def samples(step: int):
-        _check_step(step)
+    def samples(step: Step):
         index = reader.step_index(step)
         return {"step": step, "samples": index["samples"]}
 
     @app.get("/api/steps/{step}/samples/{row}")
-    def sample(step: int, row: int):
+    def sample(step: Step, row: Row):
         """The whole token range of one sample plus its metadata and texts, streamed (see sample_chunks)."""
-        _check_step(step)
         size, chunks = reader.sample_chunks(step, row)
         headers = {"Content-Length": str(size), "Cache-Control": "no-cache"}
         return StreamingResponse(chunks, media_type="application/octet-stream", headers=headers)
 
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
     return app
-
-
-def _check_step(step: int) -> None:
-    if step < 0:
-        raise HTTPException(422, f"step = {step} must be >= 0")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
