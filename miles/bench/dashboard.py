@@ -25,6 +25,7 @@ CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networki
                  "--disable-sync", "--no-first-run"]
 WORDS = ["the", "model", "reverse", "letters", "token", "answer", "so", "we", "get", "step", "check", "=", "+",
          "then", "a", "b", "c", "d", "e", "f", "result", "is", "wait", "let", "me", "think", "again", "ok"]
+LONG_PROMPT = 2048
 
 
 def synthetic_sample(rng: np.random.Generator, *, index: int, group: int, prompt_len: int, response_len: int,
@@ -33,7 +34,7 @@ def synthetic_sample(rng: np.random.Generator, *, index: int, group: int, prompt
     n = prompt_len + response_len
     ids = rng.integers(0, len(WORDS), n)
     newline = rng.random(n) < 0.04
-    token_text = [("\n" if nl else " ") + WORDS[i] for i, nl in zip(ids.tolist(), newline.tolist())]
+    token_text = [WORDS[i] + ("\n" if nl else " ") for i, nl in zip(ids.tolist(), newline.tolist())]
     rollout = -rng.exponential(0.8, response_len)
     train = rollout + rng.normal(0, 0.05, response_len) * (1 + 4 * (rng.random(response_len) < 0.01))
     mask = np.ones(response_len, dtype=np.int64)
@@ -57,15 +58,17 @@ def synthetic_step(step: int, *, num_groups: int = 4, group_size: int = 4, long_
         adv = (rewards - rewards.mean()) / (rewards.std() + 1e-6)
         for k in range(group_size):
             idx = g * group_size + k
-            response_len = long_tokens - 40 if (long_tokens and idx == 1) else int(rng.integers(8, 200))
-            samples.append(synthetic_sample(rng, index=idx, group=g, prompt_len=40, response_len=response_len,
+            is_long = bool(long_tokens) and idx == 1
+            prompt_len = min(LONG_PROMPT, long_tokens // 2) if is_long else 40  # a long prompt: the strip must scroll to the response
+            response_len = long_tokens - prompt_len if is_long else int(rng.integers(8, 200))
+            samples.append(synthetic_sample(rng, index=idx, group=g, prompt_len=prompt_len, response_len=response_len,
                                             reward=float(rewards[k]), advantage=float(adv[k]), weight_version=step))
     return samples
 
 
 def synthetic_run(run_dir: str | Path, *, num_steps: int = 3, long_tokens: int = 0, seed: int = 0) -> Path:
     """A run directory like the driver writes: config, metrics, ledger and rollouts for num_steps steps.
-    With long_tokens, sample row 1 of the last step has that many tokens."""
+    With long_tokens, sample row 1 of the last step has that many tokens, LONG_PROMPT of them prompt."""
     run_dir = Path(run_dir)
     run = RunDirWriter(run_dir=run_dir)
     run.write_config({"run_dir": str(run_dir), "task": {"name": "reverse"}, "synthetic": True})

@@ -11,5 +11,5 @@ LONG_TOKENS = 65536
 
 @pytest.fixture(scope="session")
 def long_run_dir(tmp_path_factory):
-    """Three steps; sample row 1 of step 3 has 65,536 tokens (40 of them prompt)."""
+    """Three steps; sample row 1 of step 3 has 65,536 tokens (2,048 of them prompt)."""
     return synthetic_run(tmp_path_factory.mktemp("dash") / "run", num_steps=3, long_tokens=LONG_TOKENS)

@@ -40,7 +40,7 @@ def test_one_request_carries_a_whole_64k_token_sample(client):
     assert r.status_code == 200 and r.headers["content-type"] == "application/octet-stream"
     assert int(r.headers["content-length"]) == len(r.content)
     header, cols = parse_payload(r.content)
-    assert header["num_tokens"] == 65536 and header["sample"]["prompt_len"] == 40
+    assert header["num_tokens"] == 65536 and header["sample"]["prompt_len"] == 2048
     assert header["step_num_samples"] == 16 and header["sample"]["response_text"]
     for name in ("tokens", "loss_mask", "rollout_log_probs", "train_log_probs", "advantages", "entropy", "token_text_len"):
         assert len(cols[name]) == 65536, name

@@ -115,21 +115,22 @@ export class TokenStrip {
   }
 
   _buildBlocks() {
-    const { n, text, textStart } = this.data;
+    const { text, textStart } = this.data;
     const perLine = this._charsPerLine();
     const frag = document.createDocumentFragment();
     this.blocks = [];
-    for (let start = 0; start < n; start += this.blockSize) {
-      const end = Math.min(n, start + this.blockSize);
+    for (const [start, end] of blockRanges(this.data, this.blockSize)) {
       const el = document.createElement("div");
       el.className = "blk";
       el.dataset.start = String(start);
+      el.dataset.block = String(this.blocks.length);
       const chunk = text.slice(textStart[start], textStart[end]);
       el.textContent = chunk;
       el.style.containIntrinsicSize = `auto ${estimateHeight(chunk, perLine)}px`;
       this.blocks.push({ el, start, end, live: false });
       frag.appendChild(el);
     }
+    this.starts = Int32Array.from(this.blocks, (b) => b.start);
     this.el.appendChild(frag);
     // the first response token's block and its neighbours are ready before the first paint
     const first = this.blockOf(this.data.promptLen);
@@ -137,7 +138,7 @@ export class TokenStrip {
     this._observer = new IntersectionObserver((entries) => {
       for (const e of entries) if (e.isIntersecting) this.materialise(Number(e.target.dataset.block));
     }, { root: this.el, rootMargin: "200% 0px" });
-    this.blocks.forEach((b, i) => { b.el.dataset.block = String(i); if (!b.live) this._observer.observe(b.el); });
+    for (const b of this.blocks) if (!b.live) this._observer.observe(b.el);
   }
 
   _charsPerLine() {
@@ -185,15 +186,21 @@ export class TokenStrip {
     }
   }
 
-  blockOf(i) {
-    return Math.min(this.blocks.length - 1, Math.max(0, Math.floor(i / this.blockSize)));
+  blockOf(i) {  // the last block starting at or before token i
+    let lo = 0;
+    let hi = this.starts.length - 1;
+    while (lo < hi) {
+      const mid = (lo + hi + 1) >> 1;
+      if (this.starts[mid] <= i) lo = mid; else hi = mid - 1;
+    }
+    return lo;
   }
 
   span(i) {
     const b = this.mode === "naive" ? 0 : this.blockOf(i);
     this.materialise(b);
     const block = this.blocks[b];
-    return block.el.children[i - block.start];
+    return block ? block.el.children[i - block.start] : null;
   }
 
   tokenAt(span) {
@@ -203,7 +210,8 @@ export class TokenStrip {
   }
 
   scrollToToken(i, margin = 24) {
-    const target = this.span(Math.min(i, this.data.n - 1));
+    if (!this.data.n) return;
+    const target = this.span(Math.max(0, Math.min(i, this.data.n - 1)));
     if (!target) return;
     const top = target.getBoundingClientRect().top - this.el.getBoundingClientRect().top + this.el.scrollTop;
     this.el.scrollTop = Math.max(0, top - margin);
@@ -223,6 +231,26 @@ export class TokenStrip {
     this._pendingShown = ro;
     ro.observe(this.el);
   }
+}
+
+// Block boundaries: about `size` tokens each, ending after a token that ends a line when one lies in the
+// last quarter, so a block break falls where the text breaks anyway; the prompt/response border is one too.
+export function blockRanges(data, size) {
+  const { n, text, textStart, promptLen } = data;
+  const ranges = [];
+  let start = 0;
+  while (start < n) {
+    let end = Math.min(n, start + size);
+    if (start < promptLen && promptLen < end) end = promptLen;
+    else if (end < n) {
+      for (let i = end - 1; i >= start + (3 * size) / 4; i--) {
+        if (textStart[i + 1] > textStart[i] && text.charCodeAt(textStart[i + 1] - 1) === 10) { end = i + 1; break; }
+      }
+    }
+    ranges.push([start, end]);
+    start = end;
+  }
+  return ranges;
 }
 
 function estimateHeight(chunk, perLine, lineHeight = 20) {
