@@ -35,7 +35,8 @@ def log_probs_and_entropy(
     """log p(tokens[t] | logits[t] / temperature) for [T, V] logits and [T] tokens.
 
     Returns FP32 ``(log_probs_T, entropy_T or None)``. Gradients flow to ``logits`` through the log-probs,
-    and through the entropy only when ``entropy_requires_grad``. Logits must be finite.
+    and through the entropy only when ``entropy_requires_grad``. Logits must be finite and tokens valid ids in
+    [0, V) (mask padded positions after the call, not with -100 here: the fused kernel does not bounds-check).
     """
     _check_inputs(logits, tokens, temperature, chunk_size)
     if logits.shape[0] == 0:
@@ -96,7 +97,10 @@ def _check_inputs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float
 def _upcast_chunk(logits_CV: torch.Tensor, temperature: float) -> torch.Tensor:
     # Temperature after the upcast: bf16 division would round every logit once more before the softmax.
     x_CV = logits_CV.float()
-    return x_CV / temperature if temperature != 1.0 else x_CV
+    if temperature == 1.0:
+        return x_CV
+    # Divide in place when the upcast made a fresh copy (one FP32 buffer instead of two); never into FP32 input.
+    return x_CV.div_(temperature) if logits_CV.dtype != torch.float32 else x_CV / temperature
 
 
 def _forward_chunk(logits_CV, tokens_C, temperature, lp_out_C, ent_out_C) -> None:
@@ -143,12 +147,15 @@ class _ChunkedLogProbs(torch.autograd.Function):
 
 def _backward_chunk(logits_CV, tokens_C, temperature, g_lp_C1, g_ent_C1, ent_C, grad_out_CV) -> None:
     # d lp / d x = onehot - p ;  d H / d x = -p * (log p + H) ;  d x / d logit = 1 / temperature
-    logp_CV = torch.log_softmax(_upcast_chunk(logits_CV, temperature), dim=-1)
-    weight_CV = g_lp_C1 if g_ent_C1 is None else logp_CV.add(ent_C[:, None]).mul_(g_ent_C1).add_(g_lp_C1)
-    g_CV = logp_CV.exp_().mul_(weight_CV).neg_()
+    x_CV = _upcast_chunk(logits_CV, temperature)
+    g_lp_C1 = g_lp_C1 / temperature
+    if g_ent_C1 is None:
+        g_CV = torch.softmax(x_CV, dim=-1).mul_(-g_lp_C1)
+    else:
+        logp_CV = torch.log_softmax(x_CV, dim=-1)
+        weight_CV = logp_CV.add(ent_C[:, None]).mul_(g_ent_C1 / temperature).add_(g_lp_C1)
+        g_CV = logp_CV.exp_().mul_(weight_CV).neg_()
     g_CV.scatter_add_(-1, tokens_C[:, None], g_lp_C1)
-    if temperature != 1.0:
-        g_CV.div_(temperature)
     grad_out_CV.copy_(g_CV)
 
 
