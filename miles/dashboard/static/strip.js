@@ -63,21 +63,39 @@ function levels(rgb) {
 
 export function colorScale(data, stat) {
   const values = data.stats[stat];
-  if (!values) return { colors: null, scale: 0 };
+  if (!values) return { scale: 0, color: () => "" };
   const abs = new Float32Array(data.n - data.promptLen);
   let m = 0;
   for (let i = data.promptLen; i < data.n; i++) if (Number.isFinite(values[i])) abs[m++] = Math.abs(values[i]);
-  const sorted = abs.subarray(0, m).sort();
-  const scale = m ? Math.max(sorted[Math.min(m - 1, Math.floor(m * 0.99))], 1e-6) : 1;
-  const colors = new Array(data.n).fill("");
-  const diverging = STATS[stat].diverging;
-  for (let i = data.promptLen; i < data.n; i++) {
+  const scale = m ? Math.max(kth(abs.subarray(0, m), Math.min(m - 1, Math.floor(m * 0.99))), 1e-6) : 1;
+  const palette = STATS[stat].diverging ? null : PALETTES.seq;
+  const { promptLen } = data;
+  // computed per token when a span is made or repainted: a 64k-token sample never needs 64k strings at once
+  const color = (i) => {
     const v = values[i];
-    if (!Number.isFinite(v)) continue;
+    if (i < promptLen || !Number.isFinite(v)) return "";
     const k = Math.round(Math.min(1, Math.abs(v) / scale) * LEVELS);
-    colors[i] = (diverging ? (v >= 0 ? PALETTES.pos : PALETTES.neg) : PALETTES.seq)[k];
+    return (palette ?? (v >= 0 ? PALETTES.pos : PALETTES.neg))[k];
+  };
+  return { scale, color };
+}
+
+// The k-th smallest value (quickselect, in place): the percentile without sorting 64k values.
+function kth(a, k) {
+  let lo = 0;
+  let hi = a.length - 1;
+  while (lo < hi) {
+    const pivot = a[(lo + hi) >> 1];
+    let i = lo;
+    let j = hi;
+    while (i <= j) {
+      while (a[i] < pivot) i++;
+      while (a[j] > pivot) j--;
+      if (i <= j) { const t = a[i]; a[i] = a[j]; a[j] = t; i++; j--; }
+    }
+    if (k <= j) hi = j; else if (k >= i) lo = i; else return a[k];
   }
-  return { colors, scale };
+  return a[k];
 }
 
 export class TokenStrip {
@@ -86,7 +104,7 @@ export class TokenStrip {
     this.mode = mode;
     this.blockSize = blockSize;
     this.data = null;
-    this.colors = null;
+    this.color = () => "";
     this.stat = "diff";
     this._pendingShown = null;
     this._observer = null;
@@ -97,7 +115,7 @@ export class TokenStrip {
     this.el.textContent = "";
     this.el.scrollTop = 0;
     this._observer?.disconnect();
-    this.colors = colorScale(data, this.stat).colors;
+    this.color = colorScale(data, this.stat).color;
     if (this.mode === "naive") this._buildNaive();
     else this._buildBlocks();
     this.el.dataset.built = String(data.n);
@@ -119,6 +137,7 @@ export class TokenStrip {
     const perLine = this._charsPerLine();
     const frag = document.createDocumentFragment();
     this.blocks = [];
+    const heights = [];
     for (const [start, end] of blockRanges(this.data, this.blockSize)) {
       const el = document.createElement("div");
       el.className = "blk";
@@ -126,15 +145,22 @@ export class TokenStrip {
       el.dataset.block = String(this.blocks.length);
       const chunk = text.slice(textStart[start], textStart[end]);
       el.textContent = chunk;
-      el.style.containIntrinsicSize = `auto ${estimateHeight(chunk, perLine)}px`;
+      heights.push(estimateHeight(chunk, perLine));
+      el.style.containIntrinsicSize = `auto ${heights.at(-1)}px`;
       this.blocks.push({ el, start, end, live: false });
       frag.appendChild(el);
     }
     this.starts = Int32Array.from(this.blocks, (b) => b.start);
     this.el.appendChild(frag);
-    // the first response token's block and its neighbours are ready before the first paint
+    // the blocks that will fill the box once it scrolls to the first response token (and the line above
+    // it) get their spans before the first paint; the observer does the rest as the user scrolls
     const first = this.blockOf(this.data.promptLen);
-    for (let b = Math.max(0, first - 1); b <= Math.min(this.blocks.length - 1, first + 2); b++) this.materialise(b);
+    this.materialise(first - 1);
+    let covered = 0;
+    for (let b = first; b < this.blocks.length && covered < (this.el.clientHeight || 600) + 40; b++) {
+      this.materialise(b);
+      covered += heights[b];
+    }
     this._observer = new IntersectionObserver((entries) => {
       for (const e of entries) if (e.isIntersecting) this.materialise(Number(e.target.dataset.block));
     }, { root: this.el, rootMargin: "200% 0px" });
@@ -168,7 +194,8 @@ export class TokenStrip {
       s.textContent = text.slice(textStart[i], textStart[i + 1]);
       if (i < promptLen) s.className = "p";
       else if (!mask[i]) s.className = "m";
-      if (this.colors && this.colors[i]) s.style.backgroundColor = this.colors[i];
+      const c = this.color(i);
+      if (c) s.style.backgroundColor = c;
       frag.appendChild(s);
     }
     parent.appendChild(frag);
@@ -178,11 +205,11 @@ export class TokenStrip {
   recolor(stat) {
     this.stat = stat;
     if (!this.data) return;
-    this.colors = colorScale(this.data, stat).colors;
+    this.color = colorScale(this.data, stat).color;
     for (const block of this.blocks) {
       if (!block.live) continue;
       const spans = block.el.children;
-      for (let i = block.start; i < block.end; i++) spans[i - block.start].style.backgroundColor = this.colors?.[i] || "";
+      for (let i = block.start; i < block.end; i++) spans[i - block.start].style.backgroundColor = this.color(i);
     }
   }
 
