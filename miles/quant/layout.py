@@ -28,7 +28,7 @@ def check_blocks(name: str, shape: tuple[int, ...], block: tuple[int, int], fmt:
     for dim, (size, b) in enumerate(zip(shape, block)):
         if size % b:
             raise ValueError(
-                f"{name}: shape {tuple(shape)} is not divisible by the {fmt} block {block[0]}x{block[1]} "
+                f"{name}: shape {tuple(shape)} does not split into {fmt} blocks of {block[0]}x{block[1]} "
                 f"(dim {dim} = {size} is not a multiple of {b}); pad that dimension to a multiple of {b} "
                 f"or leave this layer in bf16")
 

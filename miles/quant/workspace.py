@@ -74,7 +74,11 @@ class ClearReport:
 def _modules(model: nn.Module | Iterable[nn.Module]) -> list[nn.Module]:
     """Every submodule of a model or of a list of model chunks (pipeline stages)."""
     roots = [model] if isinstance(model, nn.Module) else list(model or [])
-    return [m for root in roots if isinstance(root, nn.Module) for m in root.modules()]
+    seen: dict[int, nn.Module] = {}
+    for root in roots:
+        if isinstance(root, nn.Module):
+            seen.update((id(m), m) for m in root.modules())
+    return list(seen.values())
 
 
 def workspaces(model: nn.Module | Iterable[nn.Module]) -> list[WeightWorkspace]:
