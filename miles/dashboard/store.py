@@ -47,6 +47,12 @@ COLUMNS = {"tokens": "int32", **dict.fromkeys(FLOAT_COLUMNS, "float32"), "token_
 SAMPLE_MAGIC = b"MLSD"  # sample payload: magic, u32 header length, header JSON, padded columns
 CHUNK_BYTES = 1 << 20
 META_KEYS = ("index", "group", "reward", "weight_version", "finish_reason")
+PER_SAMPLE_KEYS = {"tokens", "token_text", "loss_mask", "prompt_len", "prompt_text", "response_text", *FLOAT_COLUMNS,
+                   "row", "num_tokens", "response_len", "token_start", "token_text_start", "token_text_bytes", "text", "preview"}
+
+
+def _is_scalar(value) -> bool:
+    return isinstance(value, bool | int | float | np.generic) or (isinstance(value, str) and len(value) <= 1000)
 
 
 def step_dir_name(step: int) -> str:
@@ -66,11 +72,11 @@ def _full_length(name: str, values, num_tokens: int, prompt_len: int, fill: floa
     )
 
 
-@dataclass(kw_only=True, slots=True)
+@dataclass(slots=True)
 class RolloutDumpWriter:
     """Writes one directory of columns per RL step under ``RUN_DIR/rollouts``; the dashboard reads it live.
 
-    writer = RolloutDumpWriter(run_dir)
+    writer = RolloutDumpWriter(run_dir)       # or RolloutDumpWriter(run_dir=run_dir)
     writer.write_step(3, [{"index": 0, "group": 0, "reward": 1.0, "tokens": [...], "token_text": [...],
                            "prompt_len": 5, "prompt_text": "...", "response_text": "...",
                            "loss_mask": [...], "rollout_log_probs": [...], "advantages": [...]}, ...])
@@ -78,7 +84,8 @@ class RolloutDumpWriter:
     Per-token fields (loss_mask, rollout_log_probs, train_log_probs, advantages, entropy) may cover the whole
     sequence (len(tokens)) or only the response (len(tokens) - prompt_len); prompt positions are then stored
     as NaN (stats) or 0 (loss_mask). A missing loss_mask means every response token is trained on; a missing
-    stat is NaN. Writing a step that already exists replaces it (a resumed run redoing a step).
+    stat is NaN. Other scalar fields (str, int, float, bool; e.g. "target") are kept as sample metadata.
+    Writing a step that already exists replaces it (a resumed run redoing a step).
     """
 
     run_dir: str | os.PathLike
@@ -147,7 +154,7 @@ class RolloutDumpWriter:
             files["text"].write(data)
             text_ranges[key] = [pos["text"], len(data)]
             pos["text"] += len(data)
-        meta = {k: _clean(sample[k]) for k in META_KEYS if k in sample}
+        meta = {k: _clean(v) for k, v in sample.items() if k in META_KEYS or (k not in PER_SAMPLE_KEYS and _is_scalar(v))}
         meta.update(
             row=row, num_tokens=n, prompt_len=prompt_len, response_len=n - prompt_len,
             token_start=pos["token"], token_text_start=pos["token_text"], token_text_bytes=len(token_text),
@@ -173,7 +180,7 @@ def _json_line(row: dict) -> str:
     return json.dumps(_clean(row), default=str) + "\n"
 
 
-@dataclass(kw_only=True, slots=True)
+@dataclass(slots=True)
 class RunDirWriter:
     """The driver's side of the run directory, apart from rollouts (see RolloutDumpWriter).
 
@@ -256,7 +263,8 @@ class RunDirReader:
             if len(data) == max_bytes:  # finish the line that crosses the boundary
                 data += f.readline()
         end = data.rfind(b"\n") + 1
-        rows = [json.loads(line) for line in data[:end].splitlines() if line.strip()]
+        # NaN / Infinity (json.dumps writes them by default) become null: browsers cannot parse them
+        rows = [json.loads(line, parse_constant=lambda _: None) for line in data[:end].splitlines() if line.strip()]
         return rows, offset + end
 
     def steps(self) -> list[dict]:

@@ -144,3 +144,15 @@ def test_nan_rewards_become_null_in_the_index(tmp_path):
     index = json.loads((tmp_path / "rollouts" / "step_000000" / "index.json").read_text())
     assert index["samples"][0]["reward"] is None and index["mean_reward"] is None
     assert not math.isnan(RunDirReader(tmp_path).steps()[0]["num_tokens"])
+
+
+def test_nan_written_by_plain_json_dumps_reads_as_null(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 0, "kl": float("nan"), "x": float("inf")}) + "\n")
+    rows, _ = RunDirReader(tmp_path).read_jsonl("metrics.jsonl")
+    assert rows == [{"step": 0, "kl": None, "x": None}]
+
+
+def test_extra_scalar_fields_are_kept_as_metadata_and_writers_take_the_dir_positionally(tmp_path):
+    RolloutDumpWriter(tmp_path).write_step(0, [sample(target="fedcba", extra_list=[1, 2])])
+    meta = RunDirReader(tmp_path).sample_meta(0, 0)
+    assert meta["target"] == "fedcba" and "extra_list" not in meta

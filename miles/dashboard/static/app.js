@@ -9,6 +9,9 @@ const $ = (id) => document.getElementById(id);
 const TABS = ["metrics", "memory", "rollouts", "sample"];
 const FIRST_METRICS = ["reward", "loss", "kl", "entropy", "tokens_per_s"];
 const POLL_MS = 2000;
+const SAMPLE_FIELDS = new Set(["index", "group", "reward", "weight_version", "finish_reason", "row", "num_tokens",
+  "prompt_len", "response_len", "token_start", "token_text_start", "token_text_bytes", "text", "preview",
+  "prompt_text", "response_text"]);
 
 async function getJSON(url) {
   const r = await fetch(url);
@@ -124,43 +127,29 @@ class Dashboard {
 
   // ---- metrics ----
   renderMetrics() {
-    const rows = this.metrics;
-    $("metrics-empty").hidden = rows.length > 0;
-    const keys = new Set();
-    for (const r of rows) for (const [k, v] of Object.entries(r)) if (k !== "step" && typeof v === "number") keys.add(k);
-    const groups = new Map([["training", []]]);
-    const ordered = [...FIRST_METRICS.filter((k) => keys.has(k)), ...[...keys].filter((k) => !FIRST_METRICS.includes(k)).sort()];
-    for (const k of ordered) {
-      const group = k.includes("/") ? k.split("/")[0] : "training";
-      if (!groups.has(group)) groups.set(group, []);
-      groups.get(group).push(k);
-    }
+    $("metrics-empty").hidden = this.metrics.length > 0;
     const root = $("metrics-groups");
     root.textContent = "";
     let color = 0;
-    for (const [group, names] of groups) {
-      if (!names.length) continue;
+    for (const [group, series] of metricSeries(this.metrics)) {
       root.insertAdjacentHTML("beforeend", `<h2>${escapeHTML(group)}</h2><div class="grid"></div>`);
       const grid = root.lastElementChild;
-      for (const key of names) {
-        const pts = rows.filter((r) => typeof r[key] === "number");
-        const xs = pts.map((r, i) => (typeof r.step === "number" ? r.step : i));
-        const ys = pts.map((r) => r[key]);
+      for (const { key, xs, ys } of series) {
         const card = document.createElement("div");
         card.className = "card";
         card.dataset.metric = key;
-        card.innerHTML = `<div class="title"><b>${escapeHTML(key)}</b><span>${formatValue(ys.at(-1), key)}</span></div><canvas></canvas>`;
+        const fmt = (v) => formatValue(v, key);
+        card.innerHTML = `<div class="title"><b>${escapeHTML(key)}</b><span>${fmt(ys.at(-1))}</span></div><canvas></canvas>`;
         grid.appendChild(card);
-        const c = PALETTE[color++ % PALETTE.length];
         const canvas = card.querySelector("canvas");
-        const chart = drawLineChart(canvas, xs, ys, { key, color: c });
+        const chart = drawLineChart(canvas, xs, ys, { key, color: PALETTE[color++ % PALETTE.length] });
+        const label = card.querySelector(".title span");
         canvas.onmousemove = (e) => {
-          const x = e.offsetX;
           let best = 0;
-          for (let i = 1; i < xs.length; i++) if (Math.abs(chart.X(xs[i]) - x) < Math.abs(chart.X(xs[best]) - x)) best = i;
-          card.querySelector(".title span").textContent = `step ${xs[best]}: ${formatValue(ys[best], key)}`;
+          for (let i = 1; i < xs.length; i++) if (Math.abs(chart.X(xs[i]) - e.offsetX) < Math.abs(chart.X(xs[best]) - e.offsetX)) best = i;
+          label.textContent = `step ${xs[best]}: ${fmt(ys[best])}`;
         };
-        canvas.onmouseleave = () => { card.querySelector(".title span").textContent = formatValue(ys.at(-1), key); };
+        canvas.onmouseleave = () => { label.textContent = fmt(ys.at(-1)); };
       }
     }
   }
@@ -321,7 +310,10 @@ class Dashboard {
     this.strip.stat = $("color-by").value;
     this.strip.build(data);
     this.updateLegend();
-    $("sample-status").textContent = `${data.n.toLocaleString()} tokens (${data.promptLen} prompt) · ${s.finish_reason ?? ""} · built in ${(performance.now() - t0).toFixed(0)} ms`;
+    const extras = Object.entries(s).filter(([k, v]) => !SAMPLE_FIELDS.has(k) && v !== null && typeof v !== "object")
+      .map(([k, v]) => `${k}: ${String(v).slice(0, 60)}`);
+    $("sample-status").textContent = [`${data.n.toLocaleString()} tokens (${data.promptLen} prompt)`, s.finish_reason,
+      `weights v${s.weight_version ?? "–"}`, ...extras, `built in ${(performance.now() - t0).toFixed(0)} ms`].filter(Boolean).join(" · ");
     $("pane-sample").dataset.state = "ready";
     this.strip.onShown(() => {
       this.strip.scrollToToken(data.promptLen);
@@ -366,6 +358,32 @@ class Dashboard {
     const stat = this.strip.stat === "none" ? "diff" : this.strip.stat;
     this.chart = drawTokenChart($("token-chart"), this.data, stat, this.visibleTokens());
   }
+}
+
+// Metric rows -> [[group, [{key, xs, ys}]]]: RL rows by step, grouped by key prefix (time/, mem/, ...);
+// rows of another phase (e.g. "sft" warm-up) form their own group, plotted against their own counter.
+export function metricSeries(rows) {
+  const series = new Map();
+  rows.forEach((r, i) => {
+    const phase = r.phase && r.phase !== "rl" ? r.phase : "";
+    const x = phase ? (r[`${phase}_step`] ?? i) : (typeof r.step === "number" ? r.step : i);
+    for (const [k, v] of Object.entries(r)) {
+      if (typeof v !== "number" || k === "step" || k === `${phase}_step`) continue;
+      const key = phase ? `${phase}/${k}` : k;
+      if (!series.has(key)) series.set(key, { key, xs: [], ys: [] });
+      series.get(key).xs.push(x);
+      series.get(key).ys.push(v);
+    }
+  });
+  const groupOf = (key) => (key.includes("/") ? key.split("/")[0] : "training");
+  const rank = (key) => { const i = FIRST_METRICS.indexOf(key); return i < 0 ? FIRST_METRICS.length : i; };
+  const keys = [...series.keys()].sort((a, b) => rank(a) - rank(b) || a.localeCompare(b));
+  const groups = new Map([["training", []]]);
+  for (const key of keys) {
+    if (!groups.has(groupOf(key))) groups.set(groupOf(key), []);
+    groups.get(groupOf(key)).push(series.get(key));
+  }
+  return [...groups].filter(([, list]) => list.length);
 }
 
 // Bytes held per (pool, tag) after every ledger event, for the stacked timelines.

@@ -6,7 +6,7 @@ export const PALETTE = ["#2563eb", "#dc2626", "#16a34a", "#d97706", "#7c3aed", "
 
 export function formatValue(v, key = "") {
   if (v === null || v === undefined || !Number.isFinite(v)) return "–";
-  if (key.startsWith("mem/") || key === "bytes") return formatBytes(v);
+  if (/(^|\/)(mem|moved)\//.test(key) || key.endsWith("bytes")) return formatBytes(v);
   const a = Math.abs(v);
   if (a !== 0 && (a >= 1e5 || a < 1e-3)) return v.toExponential(2);
   return Number(v.toPrecision(4)).toString();
