@@ -1,7 +1,8 @@
 """Fused Triton kernel for per-token log-probs and entropy: one streaming pass over bf16/fp16 logits.
 
 The eager chunked path reads the logits, writes and re-reads several FP32 [C, V] buffers per chunk; this
-kernel reads each logit once, upcasts it in registers, divides by the temperature, and keeps an online
+kernel reads each logit once, upcasts it in registers, scales it by 1/temperature (after the upcast; within
+1 ulp of a division), and keeps an online
 max / sum-exp (and, for the entropy, an online sum of exp(x - m) * (x - m)) in FP32. The backward pass
 recomputes the softmax from the saved logits and per-row log-normaliser and writes the gradient directly in
 the logits' dtype, so no FP32 [T, V] buffer exists in either pass. Imported lazily by
@@ -20,7 +21,7 @@ except ImportError as e:  # pragma: no cover - the dispatcher checks HAS_TRITON 
 
 # One program per row streams the row in BLOCK_V tiles. Picked from `miles bench logprob --sweep` on one H200
 # (T=8192, V=151,936, bf16): 8192 x 8 warps gave 0.65 ms forward / 1.91 ms forward+backward, against
-# 0.70 / 1.98 for 4096 x 8 and 0.88 / 2.16 for 1024 x 4. 32 FP32 values per thread, no register spills.
+# 0.70 / 1.98 for 4096 x 8 and 0.88 / 2.16 for 1024 x 4 (32 FP32 values per thread).
 BLOCK_V = 8192
 NUM_WARPS = 8
 
