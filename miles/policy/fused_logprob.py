@@ -2,8 +2,8 @@
 
 The eager chunked path reads the logits, writes and re-reads several FP32 [C, V] buffers per chunk; this
 kernel reads each logit once, upcasts it in registers, scales it by 1/temperature (after the upcast; within
-1 ulp of a division), and keeps an online
-max / sum-exp (and, for the entropy, an online sum of exp(x - m) * (x - m)) in FP32. The backward pass
+1 ulp of a division), and keeps an online max / sum-exp (and, for the entropy, an online sum of
+exp(x - m) * (x - m)) in FP32. The backward pass
 recomputes the softmax from the saved logits and per-row log-normaliser and writes the gradient directly in
 the logits' dtype, so no FP32 [T, V] buffer exists in either pass. Imported lazily by
 ``miles.policy.logprob`` on CUDA; needs Triton (``pip install 'miles[gpu]'``).
