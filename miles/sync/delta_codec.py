@@ -7,8 +7,8 @@ so they are exact for every dtype, NaN payloads included. Encoding streams over 
 than a staging buffer never needs a second full-size buffer.
 
     enc = TensorEncoder("xor", nbytes=old.nbytes, itemsize=2)
-    for offset, chunk in chunks:             # staged new bytes, uint8, offsets a multiple of 8
-        enc.feed(offset, chunk, old[offset:offset + chunk.size])
+    for offset, chunk, scratch in chunks:    # uint8 chunks of the new bytes, offsets a multiple of 8
+        enc.feed(offset, chunk, old[offset:offset + chunk.size], out=scratch)
     payload, digest = enc.finish()
     assert (apply_delta("xor", payload, old, 2) == new).all()
 """
@@ -50,8 +50,8 @@ def _elements(a: np.ndarray, itemsize: int) -> np.ndarray:
 class TensorEncoder:
     """Streams one tensor's new bytes (against its old bytes) into a compressed delta and a checksum.
 
-    Call ``feed`` once per chunk in order, then ``finish`` once. ``feed`` may overwrite ``new`` in place
-    (XOR is computed into it), so pass a staging buffer, not the caller's tensor.
+    Call ``feed`` once per chunk in order, then ``finish`` once. XOR is computed into ``out`` (a scratch
+    buffer), or into ``new`` itself when ``out`` is not given.
     """
 
     def __init__(self, encoding: str, *, nbytes: int, itemsize: int, level: int = 1, threads: int = 0,
@@ -68,11 +68,13 @@ class TensorEncoder:
         self._positions: list[np.ndarray] = []
         self._values: list[np.ndarray] = []
 
-    def feed(self, offset: int, new: np.ndarray, old: np.ndarray) -> None:
+    def feed(self, offset: int, new: np.ndarray, old: np.ndarray, out: np.ndarray | None = None) -> None:
+        """Encode the chunk at byte ``offset``; XOR is computed into ``out`` (default: into ``new`` itself)."""
         self._hash.update(new)
         if self.encoding == "xor":
-            np.bitwise_xor(_words(new), _words(old), out=_words(new))
-            self._parts.append(self._stream.compress(new))
+            out = new if out is None else out
+            np.bitwise_xor(_words(new), _words(old), out=_words(out))
+            self._parts.append(self._stream.compress(out))
         else:
             new_e, old_e = _elements(new, self.itemsize), _elements(old, self.itemsize)
             changed = np.flatnonzero(new_e != old_e)

@@ -48,7 +48,7 @@ class DiskDeltaConfig:
     baseline: str  # safetensors checkpoint (file or directory) the engines loaded: the first delta's base
     baseline_version: int = 0  # the engines' weight_version while they hold the baseline
     encoding: Literal["xor", "overwrite"] = "xor"  # xor: dense-ish bf16 updates; overwrite: very sparse updates
-    zstd_level: int = 1  # 1 is fastest; higher levels barely shrink XOR deltas of bf16 weights
+    zstd_level: int = 1  # higher levels barely shrink XOR deltas; -1..-7 trade ratio for speed (see the bench)
     zstd_threads: int = 0  # zstd worker threads per rank (0: compress in the calling thread, -1: one per core)
     checksum: str = "xxh3_128"
     staging_buffers: int = 2  # host staging buffers per rank (pinned with CUDA); bound = buffers x bytes
@@ -61,9 +61,9 @@ class DiskDeltaConfig:
             raise ValueError(f"disk_delta.encoding = {self.encoding!r} must be 'xor' or 'overwrite'")
         if self.checksum not in CHECKSUMS:
             raise ValueError(f"disk_delta.checksum = {self.checksum!r} must be one of {sorted(CHECKSUMS)}")
-        if not 1 <= self.zstd_level <= 22 or self.keep_versions < 0:
-            raise ValueError(f"disk_delta.zstd_level = {self.zstd_level} must be in [1, 22] and keep_versions = "
-                             f"{self.keep_versions} >= 0")
+        if not -7 <= self.zstd_level <= 22 or self.zstd_level == 0 or self.keep_versions < 0:
+            raise ValueError(f"disk_delta.zstd_level = {self.zstd_level} must be in [-7, -1] (fast) or [1, 22], and "
+                             f"keep_versions = {self.keep_versions} >= 0")
 
 
 @dataclass(slots=True)
@@ -182,9 +182,9 @@ class DiskDeltaSync:
         encoder = TensorEncoder(cfg.encoding, nbytes=layout.nbytes, itemsize=tensor.element_size(),
                                 level=cfg.zstd_level, threads=cfg.zstd_threads, checksum_format=cfg.checksum)
         new_bytes = np.empty(layout.nbytes, np.uint8)
-        for offset, chunk in self.pool.stage(tensor):
+        for offset, chunk, scratch in self.pool.stage(tensor):
             new_bytes[offset:offset + chunk.size] = chunk
-            encoder.feed(offset, chunk, base.data[offset:offset + chunk.size])
+            encoder.feed(offset, chunk, base.data[offset:offset + chunk.size], out=scratch)
         payload, digest = encoder.finish()
         step.emitted[name] = (_key(layout), digest)
         if digest != base.digest:

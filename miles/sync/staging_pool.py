@@ -6,8 +6,8 @@ buffers (pinned when CUDA is present, so device-to-host copies run at full speed
 chunk after chunk. Host memory used by staging is at most ``num_buffers * buffer_bytes``.
 
     pool = StagingPool(num_buffers=2, buffer_bytes=64 << 20)
-    for offset, chunk in pool.stage(tensor):   # chunk: a uint8 numpy view of a pool buffer
-        consume(offset, chunk)                  # valid until the next iteration
+    for offset, new, scratch in pool.stage(tensor):   # uint8 numpy arrays, valid until the next iteration
+        consume(offset, new, out=scratch)
 """
 
 from __future__ import annotations
@@ -49,9 +49,14 @@ class StagingPool:
         self.num_allocated += 1
         return torch.empty(self.buffer_bytes, dtype=torch.uint8, pin_memory=self.pin)
 
-    def stage(self, tensor: torch.Tensor) -> Iterator[tuple[int, np.ndarray]]:
-        """Yield (byte offset, uint8 numpy chunk) covering the tensor; the copy of chunk i+1 is issued before
-        chunk i is handed out, so on CUDA the transfer overlaps with the consumer's work."""
+    def stage(self, tensor: torch.Tensor) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
+        """Yield (byte offset, new bytes, scratch) chunks covering the tensor, each a uint8 numpy array.
+
+        A device tensor's chunk is copied into a pool buffer (``new`` and ``scratch`` are then the same
+        buffer: the consumer may overwrite it); the copy of chunk i+1 is issued before chunk i is handed out,
+        so on CUDA the transfer overlaps the consumer's work. A host tensor is not copied: ``new`` is a view
+        of its own bytes (read it, never write it) and ``scratch`` a pool buffer for the consumer's output.
+        """
         src = byte_view(tensor)
         on_device = src.device.type != "cpu"
         in_flight: deque = deque()
@@ -59,23 +64,25 @@ class StagingPool:
             for lo in range(0, src.numel(), self.buffer_bytes):
                 n = min(self.buffer_bytes, src.numel() - lo)
                 buf = self._acquire()
-                in_flight.append((lo, n, buf, None))
-                buf[:n].copy_(src[lo:lo + n], non_blocking=on_device and self.pin)
-                if src.device.type == "cuda":
-                    event = torch.cuda.Event()
-                    event.record()
-                    in_flight[-1] = (lo, n, buf, event)
+                in_flight.append((lo, n, buf, None if on_device else src[lo:lo + n].numpy(), None))
+                if on_device:
+                    buf[:n].copy_(src[lo:lo + n], non_blocking=self.pin)
+                    if src.device.type == "cuda":
+                        event = torch.cuda.Event()
+                        event.record()
+                        in_flight[-1] = (lo, n, buf, None, event)
                 if len(in_flight) == self.num_buffers:
                     yield from self._hand_out(in_flight)
             while in_flight:
                 yield from self._hand_out(in_flight)
         finally:  # a consumer that stops early (an error) must not leak buffers
-            self._free.extend(buf for _, _, buf, _ in in_flight)
+            self._free.extend(item[2] for item in in_flight)
 
-    def _hand_out(self, in_flight: deque) -> Iterator[tuple[int, np.ndarray]]:
-        lo, n, buf, event = in_flight[0]
+    def _hand_out(self, in_flight: deque) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
+        lo, n, buf, host_view, event = in_flight[0]
         if event is not None:
             event.synchronize()
-        yield lo, buf[:n].numpy()
+        scratch = buf[:n].numpy()
+        yield lo, (scratch if host_view is None else host_view), scratch
         in_flight.popleft()
         self._free.append(buf)

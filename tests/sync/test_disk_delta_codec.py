@@ -22,8 +22,8 @@ def _encode(encoding: str, new: torch.Tensor, old: torch.Tensor, buffer_bytes: i
     pool = StagingPool(num_buffers=2, buffer_bytes=buffer_bytes)
     old_b = _bytes(old)
     enc = TensorEncoder(encoding, nbytes=old_b.size, itemsize=new.element_size())
-    for offset, chunk in pool.stage(new):
-        enc.feed(offset, chunk, old_b[offset:offset + chunk.size])
+    for offset, chunk, scratch in pool.stage(new):
+        enc.feed(offset, chunk, old_b[offset:offset + chunk.size], out=scratch)
     return enc.finish(), old_b
 
 
@@ -124,7 +124,7 @@ def test_staging_pool_is_bounded_and_reused():
     pool = StagingPool(num_buffers=2, buffer_bytes=64)
     t = torch.arange(1000, dtype=torch.float32)
     for _ in range(3):
-        out = np.concatenate([c.copy() for _, c in pool.stage(t)])
+        out = np.concatenate([c.copy() for _, c, _ in pool.stage(t)])
         assert np.array_equal(out, _bytes(t))
     assert pool.num_allocated == 2 and pool.capacity_bytes == 128
     stage = pool.stage(t)
