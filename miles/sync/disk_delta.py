@@ -55,10 +55,15 @@ class DiskDeltaConfig:
     staging_buffer_bytes: int = 64 << 20
     keep_versions: int = 4  # published versions kept on disk (rank 0 deletes older ones); 0 keeps all
     check_weights: bool = False  # after each sync, compare every engine tensor with the trainer's (by checksum)
+    # "emitted": each rank encodes what it emits (pipeline / expert shards; a name emitted twice is kept once).
+    # "round_robin": every rank emits every tensor (FSDP full tensors) and rank r encodes tensors r, r + world, ...
+    partition: Literal["emitted", "round_robin"] = "emitted"
 
     def __post_init__(self):
         if self.encoding not in ("xor", "overwrite"):
             raise ValueError(f"disk_delta.encoding = {self.encoding!r} must be 'xor' or 'overwrite'")
+        if self.partition not in ("emitted", "round_robin"):
+            raise ValueError(f"disk_delta.partition = {self.partition!r} must be 'emitted' or 'round_robin'")
         if self.checksum not in CHECKSUMS:
             raise ValueError(f"disk_delta.checksum = {self.checksum!r} must be one of {sorted(CHECKSUMS)}")
         if not -7 <= self.zstd_level <= 22 or self.zstd_level == 0 or self.keep_versions < 0:
@@ -115,6 +120,16 @@ class DiskDeltaSync:
         self._canonical: dict[str, _Canonical] = {}
         self._metrics: dict = {}
 
+    @classmethod
+    def from_run_config(cls, cfg, *, group=None) -> "DiskDeltaSync":
+        """The transport for a RunConfig. Root: ``sync.disk_delta_dir`` or ``<run_dir>/weights``. Baseline: the
+        checkpoint the engines loaded (``model.checkpoint``); for a random-initialised model, the caller writes
+        ``<root>/baseline.safetensors`` with ``save_baseline(initial weights)`` before the first update."""
+        root = cfg.sync.disk_delta_dir or str(Path(cfg.run_dir) / "weights")
+        baseline = cfg.model.checkpoint or str(Path(root) / "baseline.safetensors")
+        return cls(DiskDeltaConfig(root=root, baseline=baseline, check_weights=cfg.sync.check_weights,
+                                   partition="round_robin" if cfg.trainer.world_size > 1 else "emitted"), group=group)
+
     def connect(self, engines) -> None:
         self.engines = list(engines)
 
@@ -162,9 +177,11 @@ class DiskDeltaSync:
                                  f"{self.published_version}; versions only move forward")
             if self._baseline is None:
                 self._baseline = Baseline.from_checkpoint(self.config.baseline)
+        world = dist.get_world_size(self.group) if dist.is_available() and dist.is_initialized() else 1
+        stride = world if self.config.partition == "round_robin" else 1
         with held:
-            for name, tensor in named_tensors:
-                if held.error is None:
+            for i, (name, tensor) in enumerate(named_tensors):
+                if held.error is None and i % stride == self.rank % stride:
                     with held:
                         self._encode_one(name, tensor, step)
         return step

@@ -57,7 +57,8 @@ def _run_case(rank: int, case: dict) -> dict:
     from miles.sync.delta_version import published_versions
     from miles.sync.disk_delta import DiskDeltaConfig, DiskDeltaSync
 
-    cfg = DiskDeltaConfig(root=case["root"], baseline=case["baseline"], check_weights=True)
+    partition = case.get("partition", "emitted")
+    cfg = DiskDeltaConfig(root=case["root"], baseline=case["baseline"], check_weights=True, partition=partition)
     sync = DiskDeltaSync(cfg)
     engine = TensorEngine(case.get("engine_weights") or full_baseline()) if rank == 0 else None
     before = {k: v.clone() for k, v in engine.weights.items()} if engine else None
@@ -65,7 +66,11 @@ def _run_case(rank: int, case: dict) -> dict:
     out: dict = {"error": None}
     try:
         for step in range(1, case.get("num_steps", 1) + 1):
-            sync.update(trainer_tensors(rank, step, diverge=case.get("diverge", False)).items(), version=step)
+            if partition == "round_robin":  # every rank emits every tensor, like FSDP full tensors
+                tensors = {k: v for r in range(WORLD) for k, v in trainer_tensors(r, step).items()}
+            else:
+                tensors = trainer_tensors(rank, step, diverge=case.get("diverge", False))
+            sync.update(tensors.items(), version=step)
         out["metrics"] = sync.metrics()
     except Exception as e:
         out["error"] = f"{type(e).__name__}: {e}"
@@ -271,3 +276,17 @@ def test_engine_rejecting_a_version_fails_every_rank_and_keeps_its_weights(ranks
         assert r["error"].startswith("CollectiveError: rank 0 of 2 failed: VersionError"), r["error"]
         assert "layers.1.w" in r["error"] and "checksum mismatch" in r["error"]
     assert results[0]["engine_unchanged"] and results[0]["engine_version"] == 0
+
+
+@pytest.mark.timeout(120)
+def test_round_robin_partition_splits_encoding_of_full_tensors_between_ranks(ranks, tmp_path):
+    from miles.sync.disk_delta import save_baseline
+    from miles.sync.delta_version import read_index
+
+    base = str(save_baseline(full_baseline(), tmp_path / "b.safetensors"))
+    results = ranks({"root": str(tmp_path / "weights"), "baseline": base, "num_steps": 2, "partition": "round_robin"})
+    assert [r["error"] for r in results] == [None, None]
+    assert results[0]["engine_version"] == 2 and results[0]["engine_equals_trainer"]
+    shards = {info["shard"] for info in read_index(tmp_path / "weights", 2)["tensors"].values()}
+    assert shards == {"shard-00000.safetensors", "shard-00001.safetensors"}
+    assert results[0]["metrics"]["disk_delta/rank_raw_bytes"] < results[0]["metrics"]["disk_delta/raw_bytes"]
