@@ -30,8 +30,11 @@ class MasterWeightsNotResidentError(RuntimeError):
 
 
 class HostChunk:
-    """One host buffer holding up to ``chunk_bytes`` of offloaded state. The page hints are no-ops here; the
-    file-backed chunk in ``disk_offload.py`` implements them (madvise / msync)."""
+    """One host buffer holding up to ``chunk_bytes`` of offloaded state, and how bytes get in and out of it.
+
+    ``store``/``load`` move a list of ``(chunk_offset, uint8 view)`` pieces (contiguous in the chunk, in order);
+    the page hints are no-ops here. The file-backed chunk in ``disk_offload.py`` overrides them.
+    """
 
     def __init__(self, tensor: torch.Tensor):
         self.tensor = tensor  # uint8, 1-D, on the CPU
@@ -40,11 +43,19 @@ class HostChunk:
     def nbytes(self) -> int:
         return self.tensor.numel()
 
+    def store(self, pieces: list[tuple[int, torch.Tensor]]) -> None:
+        for offset, src in pieces:
+            self.tensor[offset : offset + src.numel()].copy_(src, non_blocking=True)
+
+    def load(self, pieces: list[tuple[int, torch.Tensor]]) -> None:
+        for offset, dst in pieces:
+            dst.copy_(self.tensor[offset : offset + dst.numel()], non_blocking=True)
+
     def written(self) -> None:
         """The offload has finished writing this chunk."""
 
     def prefetch(self) -> None:
-        """This chunk is read next: bring its pages in (called on the worker thread)."""
+        """This chunk is read next: start bringing its pages in (called on the worker thread)."""
 
     def consumed(self) -> None:
         """The restore has finished reading this chunk."""
@@ -62,6 +73,9 @@ class _Piece:
     storage_offset: int
     chunk_offset: int
     nbytes: int
+
+    def view(self) -> tuple[int, torch.Tensor]:
+        return self.chunk_offset, _bytes(self.storage)[self.storage_offset : self.storage_offset + self.nbytes]
 
 
 def _bytes(storage: torch.UntypedStorage) -> torch.Tensor:
@@ -275,10 +289,7 @@ class ChunkedOptimizerStateOffloader:
         if self._needs_staging():
             return self._copy_out_staged()
         for chunk, pieces in zip(self.chunks, self._plan):
-            for p in pieces:
-                chunk.tensor[p.chunk_offset : p.chunk_offset + p.nbytes].copy_(
-                    _bytes(p.storage)[p.storage_offset : p.storage_offset + p.nbytes], non_blocking=True
-                )
+            chunk.store([p.view() for p in pieces])
             _synchronize(pieces)
             chunk.written()
 
@@ -289,10 +300,7 @@ class ChunkedOptimizerStateOffloader:
         for i, (chunk, pieces) in enumerate(zip(self.chunks, self._plan)):
             pending.result()
             pending = self._worker.submit(self.chunks[i + 1].prefetch) if i + 1 < len(self.chunks) else None
-            for p in pieces:
-                _bytes(p.storage)[p.storage_offset : p.storage_offset + p.nbytes].copy_(
-                    chunk.tensor[p.chunk_offset : p.chunk_offset + p.nbytes], non_blocking=True
-                )
+            chunk.load([p.view() for p in pieces])
             _synchronize(pieces)
             chunk.consumed()
 
@@ -343,14 +351,14 @@ def _own_loaded_state(optimizer: torch.optim.Optimizer) -> None:
 
 def _drain_staging(event: torch.cuda.Event, staging: torch.Tensor, chunk: HostChunk) -> None:
     event.synchronize()
-    chunk.tensor.copy_(staging[: chunk.nbytes])
+    chunk.store([(0, staging[: chunk.nbytes])])
     chunk.written()
 
 
 def _fill_staging(event: torch.cuda.Event, staging: torch.Tensor, chunk: HostChunk) -> None:
     event.synchronize()  # the upload that last read this buffer has finished
     chunk.prefetch()
-    staging[: chunk.nbytes].copy_(chunk.tensor)
+    chunk.load([(0, staging[: chunk.nbytes])])
     chunk.consumed()
 
 

@@ -49,8 +49,9 @@ def train(optimizer_name: str, offload: str, num_steps: int, tmp_path, chunk_byt
     offloader = None
     if offload == "host":
         offloader = ChunkedOptimizerStateOffloader(opt, chunk_bytes=chunk_bytes)
-    elif offload == "disk":
-        offloader = DiskOptimizerStateOffloader(opt, directory=str(tmp_path), chunk_bytes=chunk_bytes)
+    elif offload.startswith("disk"):  # "disk" (fd I/O) or "disk-mmap" (copies through the mapping)
+        io = offload.partition("-")[2] or "fd"
+        offloader = DiskOptimizerStateOffloader(opt, directory=str(tmp_path), chunk_bytes=chunk_bytes, io=io)
     for step in range(num_steps):
         loss_at(model, step).backward()
         if offloader:
@@ -67,7 +68,7 @@ def params_of(model):
 
 
 @pytest.mark.parametrize("optimizer_name", ["adamw", "muon"])
-@pytest.mark.parametrize("offload", ["host", "disk"])
+@pytest.mark.parametrize("offload", ["host", "disk", "disk-mmap"])
 @pytest.mark.parametrize("chunk_bytes", [100, 1 << 20])  # 100 B: every matrix spans several chunks
 def test_offloaded_state_matches_resident_state_bit_for_bit(optimizer_name, offload, chunk_bytes, tmp_path):
     reference, _, _ = train(optimizer_name, "none", 5, tmp_path)
