@@ -11,9 +11,9 @@ from torch.nn import functional as F
 from miles.quant import QuantizedGroupedLinear
 
 SIZES = {
-    "cpu": {"vocab_size": 256, "hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2,
-            "num_key_value_heads": 2, "head_dim": 64, "n_routed_experts": 8, "num_experts_per_tok": 2,
-            "moe_intermediate_size": 128, "tie_word_embeddings": False, "bench_batch": 2, "bench_seq": 32},
+    "cpu": {"vocab_size": 128, "hidden_size": 128, "num_hidden_layers": 1, "num_attention_heads": 2,
+            "num_key_value_heads": 2, "head_dim": 64, "n_routed_experts": 4, "num_experts_per_tok": 2,
+            "moe_intermediate_size": 128, "tie_word_embeddings": False, "bench_batch": 2, "bench_seq": 16},
     "cuda": {"vocab_size": 32768, "hidden_size": 2048, "num_hidden_layers": 4, "num_attention_heads": 16,
              "num_key_value_heads": 4, "head_dim": 128, "n_routed_experts": 16, "num_experts_per_tok": 2,
              "moe_intermediate_size": 1024, "tie_word_embeddings": False, "bench_batch": 4, "bench_seq": 512},

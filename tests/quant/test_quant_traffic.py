@@ -7,15 +7,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from miles.bench.moe_model import TinyMoE
+from miles.bench.moe_model import SIZES, TinyMoE
 from miles.bench.quant_traffic import measure_recipe
 from miles.memory.traffic import (BYTES_PER_ELEMENT, RECIPES, WeightShape, copy_bytes, offload_bytes,
                                   weight_shapes, workspace_share)
 
 CONFIGS = Path("/work/shared/model-configs")
-CFG = {"vocab_size": 128, "hidden_size": 128, "num_hidden_layers": 1, "num_attention_heads": 2,
-       "num_key_value_heads": 2, "head_dim": 64, "n_routed_experts": 4, "num_experts_per_tok": 2,
-       "moe_intermediate_size": 128, "tie_word_embeddings": False, "bench_batch": 2, "bench_seq": 16}
+CFG = SIZES["cpu"]  # 1 layer, 4 experts: every dim a multiple of 128, so every recipe fits
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
