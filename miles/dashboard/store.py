@@ -334,6 +334,26 @@ class RunDirReader:
         return out
 
 
+def decode_sample(data: bytes) -> dict:
+    """The payload of RunDirReader.sample_chunks (GET /api/steps/S/samples/R) as numpy columns + metadata."""
+    if data[:4] != SAMPLE_MAGIC:
+        raise ValueError(f"not a sample payload (starts with {data[:4]!r}, expected {SAMPLE_MAGIC!r})")
+    head_len = int.from_bytes(data[4:8], "little")
+    header = json.loads(data[8:8 + head_len])
+    base = 8 + head_len
+    out = {"step": header["step"], **header["sample"]}
+    for c in header["columns"]:
+        start = base + c["offset"]
+        if c["dtype"] == "utf8":
+            out[c["name"]] = data[start:start + c["length"]].decode()
+        else:
+            out[c["name"]] = np.frombuffer(data, c["dtype"], c["length"], start)
+    ends = np.cumsum(out["token_text_len"])  # UTF-16 units; equal to characters outside the astral planes
+    text16 = out["token_text"].encode("utf-16-le")
+    out["token_strings"] = [text16[2 * a:2 * b].decode("utf-16-le") for a, b in zip(np.r_[0, ends[:-1]], ends)]
+    return out
+
+
 def _pad8(n: int) -> int:
     return (n + 7) // 8 * 8
 

@@ -27,6 +27,7 @@ import numpy as np
 import safetensors.numpy
 import torch
 import torch.distributed as dist
+import zstandard
 
 from miles.atomic import atomic_write_text, fsync_dir
 from miles.sync.base import call
@@ -119,6 +120,7 @@ class DiskDeltaSync:
         self._baseline: Baseline | None = None
         self._canonical: dict[str, _Canonical] = {}
         self._metrics: dict = {}
+        self._compressor = zstandard.ZstdCompressor(level=config.zstd_level, threads=config.zstd_threads)
 
     @classmethod
     def from_run_config(cls, cfg, *, group=None) -> "DiskDeltaSync":
@@ -197,7 +199,7 @@ class DiskDeltaSync:
             return
         cfg = self.config
         encoder = TensorEncoder(cfg.encoding, nbytes=layout.nbytes, itemsize=tensor.element_size(),
-                                level=cfg.zstd_level, threads=cfg.zstd_threads, checksum_format=cfg.checksum)
+                                checksum_format=cfg.checksum, compressor=self._compressor)
         new_bytes = np.empty(layout.nbytes, np.uint8)
         for offset, chunk, scratch in self.pool.stage(tensor):
             new_bytes[offset:offset + chunk.size] = chunk

@@ -82,7 +82,8 @@ class TorchBackend:
         logits = model(tokens_NL[:, :-1])  # [N, L-1, V] in model dtype
         N, T, V = logits.shape
         lp, ent = log_probs_and_entropy(logits.reshape(N * T, V), tokens_NL[:, 1:].reshape(-1), temperature=self.temperature,
-                                        chunk_size=self.cfg.logprob_chunk_size, with_entropy=with_entropy)
+                                        chunk_size=self.cfg.logprob_chunk_size, with_entropy=with_entropy,
+                                        entropy_requires_grad=with_entropy and self.cfg.entropy_coef > 0)
         pad = lp.new_zeros(N, 1)
         lp = torch.cat([pad, lp.view(N, T)], 1)
         ent = torch.cat([pad, ent.view(N, T)], 1) if ent is not None else None
@@ -100,11 +101,13 @@ class TorchBackend:
         minibatches = batch.split(c.num_minibatches)
         old = [self.forward_logprobs(mb) for mb in minibatches] if c.num_minibatches > 1 else [None] * len(minibatches)
         metrics: dict[str, float] = {}
+        seen = []
         for mb, old_lp in zip(minibatches, old):
             tokens, mask = mb.tokens.to(self.device), mb.loss_mask.to(self.device)
             lp, ent = self._token_log_probs(self.model, tokens, with_entropy=True)
             ref = self._token_log_probs(self.ref_model, tokens)[0].detach() if self.ref_model is not None else None
             old_lp = lp.detach() if old_lp is None else old_lp.to(self.device)
+            seen.append(old_lp.cpu())
             out = policy_loss(lp, old_lp, mb.advantages.to(self.device), mask, kind=c.loss, eps_clip=c.eps_clip,
                               eps_clip_high=c.eps_clip_high, ref_log_probs=ref, kl_coef=c.kl_coef, entropy=ent,
                               entropy_coef=c.entropy_coef)
@@ -113,6 +116,7 @@ class TorchBackend:
             metrics["train_rollout_logprob_abs_diff"] = metrics.get("train_rollout_logprob_abs_diff", 0.0) + masked_mean(
                 (lp.detach() - mb.rollout_log_probs.to(self.device)).abs(), mask).item() / len(minibatches)
             metrics["grad_norm"] = self._optimizer_step()
+        self.last_log_probs = torch.cat(seen)  # [N, L] log-probs before the update (for dumps and dashboards)
         metrics["train_time"] = time.perf_counter() - t0
         return metrics
 

@@ -156,3 +156,14 @@ def test_extra_scalar_fields_are_kept_as_metadata_and_writers_take_the_dir_posit
     RolloutDumpWriter(tmp_path).write_step(0, [sample(target="fedcba", extra_list=[1, 2])])
     meta = RunDirReader(tmp_path).sample_meta(0, 0)
     assert meta["target"] == "fedcba" and "extra_list" not in meta
+
+
+def test_decode_sample_gives_back_the_written_token_strings(tmp_path):
+    texts = ["é", "😀", "a", "\n", "漢", " b"]
+    RolloutDumpWriter(tmp_path).write_step(0, [sample(n=6, prompt_len=2, token_text=texts)])
+    size, chunks = RunDirReader(tmp_path).sample_chunks(0, 0)
+    from miles.dashboard.store import decode_sample
+
+    out = decode_sample(b"".join(chunks))
+    assert out["token_strings"] == texts and out["tokens"].tolist() == list(range(100, 106))
+    assert out["prompt_len"] == 2 and out["loss_mask"].tolist() == [0, 0, 1, 1, 1, 1]

@@ -134,7 +134,7 @@ export function drawMemoryTimeline(canvas, series, colors, { height = 190 } = {}
     ctx.moveTo(x, pad.t);
     ctx.lineTo(x, height - pad.b);
     ctx.stroke();
-    if (x - lastX > 44) { ctx.fillText(`step ${step}`, x + 3, pad.t + 9); lastX = x; }
+    if (x - lastX > 44) { ctx.fillText(step < 0 ? "init" : `step ${step}`, x + 3, pad.t + 9); lastX = x; }
   }
   ctx.setLineDash([]);
   return { X, Y, t0, peak };

@@ -1,0 +1,112 @@
+"""Cluster: the Ray side of a run — placement group, train actors, the rollout manager — and the executor
+that turns HandoffPlan steps into calls on them."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from miles.config import RunConfig
+from miles.handoff import TRAIN_ALL, Step
+from miles.train.actor import TrainGroup, resolve_device
+
+log = logging.getLogger("miles")
+
+
+class Cluster:
+    """with Cluster(cfg) as c: c.rollout.generate.remote(step); c.execute(plan.init, version=0); c.trainer.call(...)"""
+
+    def __init__(self, cfg: RunConfig):
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from miles.rollout.manager import RolloutManager
+
+        self.cfg = cfg
+        self.owns_ray = not ray.is_initialized()
+        if self.owns_ray:
+            local = not cfg.ray_address
+            ray.init(address=cfg.ray_address or None, num_cpus=max(os.cpu_count() or 1, cfg.trainer.world_size) if local else None,
+                     include_dashboard=False, logging_level=logging.WARNING, log_to_driver=True,
+                     runtime_env={"env_vars": {"OMP_NUM_THREADS": str(cfg.num_threads or os.cpu_count() or 1)}})
+        self.device = resolve_device(cfg)
+        gpu = 1 if self.device == "cuda" else 0
+        bundle = {"CPU": 1, **({"GPU": 1} if gpu else {})}
+        self.pg = placement_group([dict(bundle) for _ in range(cfg.trainer.world_size)], strategy="PACK")
+        ray.get(self.pg.ready())
+        self.trainer = TrainGroup(cfg, self.pg, num_gpus_per_actor=0.45 * gpu)
+        self.rollout = ray.remote(RolloutManager).options(
+            num_cpus=0.01, num_gpus=0.45 * gpu, max_concurrency=4,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=0),
+        ).remote(cfg, self.device)
+        self.trainer.call("connect_sync", [self.rollout])
+        self.sync_metrics: dict = {}
+
+    def get(self, ref):
+        import ray
+
+        return ray.get(ref)
+
+    def execute(self, steps: tuple[Step, ...], version: int | None = None) -> dict[str, float]:
+        """Run plan steps in order; returns bytes moved per step (``"<owner>.<verb>": bytes``)."""
+        moved: dict[str, float] = {}
+        for s in steps:
+            key = f"{s.owner}.{s.verb}"
+            if s.owner == "engine":
+                moved[key] = moved.get(key, 0) + self.get(getattr(self.rollout, s.verb).remote(list(s.tags)))
+            elif s.owner == "trainer" and s.verb == "clear_memory":
+                self.trainer.call("clear_memory")
+            elif s.owner == "trainer":
+                moved[key] = moved.get(key, 0) + sum(self.trainer.call(s.verb, list(s.tags)))
+            elif s.owner == "sync":
+                self.sync_metrics = self.trainer.call("update_weights", version)[0]
+                if self.cfg.sync.check_weights:
+                    self.check_weights()
+            else:
+                raise AssertionError(f"unknown plan step {s}")
+        return moved
+
+    def check_weights(self) -> None:
+        """Engine weights must equal the trainer's, bit for bit, after a sync."""
+        trainer = self.trainer.call("named_weights")[0]
+        engine = self.get(self.rollout.named_weights.remote())
+        bad = [k for k, v in trainer.items() if k not in engine or not torch.equal(engine[k], v)]
+        if bad:
+            raise RuntimeError(f"check_weights: {len(bad)} engine tensors differ from the trainer's after sync, e.g. {bad[:3]}")
+
+    def save_checkpoint(self, run_dir, next_step: int) -> None:
+        tags = list(TRAIN_ALL) if self.cfg.handoff.offload_train != "none" else []
+        self.trainer.call("onload", tags)
+        try:
+            run_dir.save_checkpoint(next_step, lambda d: self.trainer.call("save_checkpoint", d))
+        finally:
+            self.trainer.call("offload", tags)
+
+    def drain_ledgers(self):
+        events, samples = [], []
+        for e, s in self.trainer.call("drain_ledger") + [self.get(self.rollout.drain_ledger.remote())]:
+            events += e
+            samples += s
+        return sorted(events, key=lambda e: e.time), samples
+
+    def close(self) -> None:
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        try:
+            self.trainer.call("close")
+        finally:
+            for a in self.trainer.actors + [self.rollout]:
+                ray.kill(a)
+            remove_placement_group(self.pg)
+            if self.owns_ray:
+                ray.shutdown()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

