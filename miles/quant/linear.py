@@ -32,7 +32,7 @@ def quantized_matmul(x: torch.Tensor, q_NK: QuantizedTensor) -> torch.Tensor:
     """``x[..., K] @ W.T`` for a quantized ``W[N, K]`` (reduction dim last, as every copy is stored)."""
     x_MK = x.reshape(-1, x.shape[-1])
     if _scaled_mm_fits(x_MK, q_NK):
-        xq = quantize_fp8_tensorwise(x_MK, "activation")
+        xq = quantize_fp8_tensorwise(x_MK.contiguous(), "activation")  # _scaled_mm wants row-major A
         y = torch._scaled_mm(xq.data, q_NK.data.t(), scale_a=xq.scale_inv, scale_b=q_NK.scale_inv,
                              out_dtype=x.dtype)
     else:

@@ -61,8 +61,8 @@ def quantize_nvfp4(x_RC: torch.Tensor, name: str = "tensor", block: tuple[int, i
     safe = torch.where(decode > 0, decode, torch.ones_like(decode))
     codes = e2m1_codes(torch.where(decode[:, None, :, None] > 0, tiles / safe[:, None, :, None], 0.0))
     data = pack_pairs(codes.reshape(r, c)).view(PACKED)
-    per_row = scale_e4m3.repeat_interleave(br, dim=0) if br > 1 else scale_e4m3  # one byte per 1x16 of every row
-    scales = padded_scales(per_row.view(torch.uint8), 0, torch.uint8).view(torch.float8_e4m3fn)
+    per_row = scale_e4m3.view(torch.uint8).repeat_interleave(br, dim=0)  # one byte per 1x16 of every row
+    scales = padded_scales(per_row, 0, torch.uint8).view(torch.float8_e4m3fn)
     return QuantizedTensor("nvfp4", name, (r, c), block, data, scales, global_scale)
 
 

@@ -106,4 +106,4 @@ def test_cuda_graphs_skip_and_move_the_same_bytes_on_the_gpu():
     from miles.bench.quant_traffic import cuda_graph_check
     for recipe in ("bf16", "mxfp8"):
         r = cuda_graph_check(CFG, recipe, torch.device("cuda"))
-        assert r["same_bytes"] and "CUDA graphs" in r["on"]["skipped_reason"] and r["on"]["graph_replay_matches_eager"]
+        assert r["same_bytes"] and "CUDA graphs" in r["on"]["skipped_reason"], r
