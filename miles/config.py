@@ -126,6 +126,57 @@ class HandoffConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class AgentConfig:
+    session_ports: str = ""  # session-server instances: "8100" (one) or "8100-8103" (one per port); "" = no agents
+    session_host: str = "127.0.0.1"  # where the session servers listen
+    harness_url: str = ""  # a running agent harness ("http://host:port"); "" = start one locally
+    oversample_factor: float = 1.5  # groups started = ceil(factor * rollout.num_prompts_per_step)
+    abort_partial: Literal["buffer", "drop"] = "buffer"  # aborted groups: re-rolled first next step, or dropped
+    flush_enabled: bool = True  # False reproduces the missing flush: surplus episodes run to their end
+    flush_timeout_s: float = 5.0  # per instance, per attempt
+    flush_retries: int = 2  # extra attempts per instance after a failed flush
+    max_turns: int = 4  # model turns per episode before the final test run
+    max_tokens_per_turn: int = 48
+    episode_timeout_s: float = 120.0  # an episode still running after this is cancelled (zero reward)
+    test_timeout_s: float = 30.0  # one run of the sandbox's test
+    slow_test_fraction: float = 0.0  # share of tasks whose test is slow (a CPU-side long tail)
+    slow_test_s: float = 0.0  # how long a slow test runs
+
+    def __post_init__(self):
+        self.instances  # parses session_ports, raises with the fix if malformed
+        if self.oversample_factor < 1:
+            raise ValueError(f"agents.oversample_factor = {self.oversample_factor} must be >= 1 (1 = no oversampling)")
+        for name in ("flush_timeout_s", "episode_timeout_s", "test_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"agents.{name} = {getattr(self, name)} must be > 0 seconds")
+        if self.flush_retries < 0 or self.max_turns < 1 or self.max_tokens_per_turn < 1:
+            raise ValueError(f"agents.flush_retries = {self.flush_retries} must be >= 0, max_turns = {self.max_turns} and "
+                             f"max_tokens_per_turn = {self.max_tokens_per_turn} >= 1")
+        if not 0 <= self.slow_test_fraction <= 1 or self.slow_test_s < 0:
+            raise ValueError(f"agents.slow_test_fraction = {self.slow_test_fraction} must be in [0, 1], slow_test_s >= 0")
+
+    @property
+    def instances(self) -> dict[int, str]:
+        """port -> instance id, one per session-server port (the plural map the rollout flushes)."""
+        return {port: f"agent-{port}" for port in parse_ports(self.session_ports)}
+
+
+def parse_ports(spec: str) -> list[int]:
+    """``"8100"`` -> [8100]; ``"8100-8103"`` -> [8100, 8101, 8102, 8103]; ``""`` -> []."""
+    spec = spec.strip()
+    if not spec:
+        return []
+    lo, sep, hi = spec.partition("-")
+    try:
+        first, last = int(lo), int(hi) if sep else int(lo)
+    except ValueError:
+        raise ValueError(f"agents.session_ports = {spec!r} should be one port ('8100') or a range ('8100-8103')") from None
+    if not 1 <= first <= last <= 65535:
+        raise ValueError(f"agents.session_ports = {spec!r}: need 1 <= first <= last <= 65535")
+    return list(range(first, last + 1))
+
+
+@dataclass(kw_only=True, slots=True)
 class RunConfig:
     recipe: str = "custom"
     seed: int = 0
@@ -143,6 +194,7 @@ class RunConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
     handoff: HandoffConfig = field(default_factory=HandoffConfig)
+    agents: AgentConfig = field(default_factory=AgentConfig)  # agentic rollouts (task.name = 'swe')
 
     def __post_init__(self):
         if self.num_steps < 0 or self.checkpoint_every < 0:
