@@ -131,3 +131,15 @@ def test_staging_pool_is_bounded_and_reused():
     next(stage)
     stage.close()  # a consumer that stops early gives its buffers back
     assert len(pool._free) == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_staging_pool_copies_cuda_tensors_through_pinned_buffers_like_a_host_copy():
+    pool = StagingPool(num_buffers=2, buffer_bytes=4096)
+    assert pool.pin
+    t = torch.randn(10_000, device="cuda").bfloat16()
+    chunks = [(off, new.copy(), new is scratch) for off, new, scratch in pool.stage(t)]
+    assert all(same for _, _, same in chunks), "device chunks are staged into the scratch buffer itself"
+    assert np.array_equal(np.concatenate([c for _, c, _ in chunks]), _bytes(t.cpu()))
+    assert pool.num_allocated == 2

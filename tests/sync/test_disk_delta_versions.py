@@ -159,3 +159,16 @@ def test_index_lists_every_shard_with_its_size(published):
     index = json.loads((version_dir(published, 1) / "index.json").read_text())
     for shard, nbytes in index["shards"].items():
         assert (version_dir(published, 1) / shard).stat().st_size == nbytes
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_trainer_tensors_sync_into_a_cuda_receiver_bit_exactly(tmp_path):
+    base = save_baseline(_weights(0), tmp_path / "base.safetensors")
+    engine = Receiver({k: v.cuda() for k, v in _weights(0).items()})
+    sync = DiskDeltaSync(DiskDeltaConfig(root=str(tmp_path / "w"), baseline=str(base), check_weights=True,
+                                         staging_buffer_bytes=64))  # many chunks per tensor
+    sync.connect([engine])
+    for v in (1, 2):
+        sync.update({k: t.cuda() for k, t in _weights(v).items()}.items(), version=v)
+    assert all(engine.weights[k].is_cuda and torch.equal(engine.weights[k].cpu(), t) for k, t in _weights(2).items())
