@@ -21,10 +21,12 @@ from typing import Annotated
 from fastapi import FastAPI, Path as PathParam, Query
 from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
 from fastapi.staticfiles import StaticFiles
+from starlette.middleware.trustedhost import TrustedHostMiddleware
 
 from miles.dashboard.store import NotInRunDir, RunDirReader
 
 STATIC = Path(__file__).parent / "static"
+LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
 MAX_JSONL_BYTES = 4 << 20
 # bounded so that no value a client sends can overflow a seek or a file name: out of range is a 422
 Offset = Annotated[int, Query(ge=0, le=1 << 60)]
@@ -33,10 +35,15 @@ Step = Annotated[int, PathParam(ge=0, le=10**9)]
 Row = Annotated[int, PathParam(ge=0, le=1 << 31)]
 
 
-def create_app(run_dir: str | os.PathLike, *, follow: bool = False) -> FastAPI:
-    """The dashboard app for one run directory; ``follow`` tells the page to poll for new data."""
+def create_app(run_dir: str | os.PathLike, *, follow: bool = False, allowed_hosts: tuple[str, ...] = LOOPBACK) -> FastAPI:
+    """The dashboard app for one run directory; ``follow`` tells the page to poll for new data.
+
+    Requests must name one of ``allowed_hosts`` in their Host header (loopback by default): a web page
+    elsewhere cannot reach a local dashboard through a DNS name that it re-points at 127.0.0.1.
+    """
     reader = RunDirReader(run_dir)
     app = FastAPI(title="miles dashboard", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(TrustedHostMiddleware, allowed_hosts=list(allowed_hosts))
     app.state.reader = reader
 
     @app.exception_handler(NotInRunDir)
@@ -94,6 +101,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def _allowed_hosts(host: str) -> tuple[str, ...]:
+    return LOOPBACK if host in LOOPBACK else ("*",)  # served on purpose beyond loopback: any name reaching it
+
+
 def bind(host: str, port: int) -> socket.socket:
     """A listening socket; port 0 picks a free one (read it back with sock.getsockname()[1])."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -124,7 +135,7 @@ class DashboardServer:
     """
 
     def __init__(self, run_dir: str | os.PathLike, *, follow: bool = False, host: str = "127.0.0.1", port: int = 0):
-        self.app = create_app(run_dir, follow=follow)
+        self.app = create_app(run_dir, follow=follow, allowed_hosts=_allowed_hosts(host))
         self.sock = bind(host, port)
         self.host, self.port = host, self.sock.getsockname()[1]
         self.url = f"http://{'[' + host + ']' if ':' in host else host}:{self.port}/"
@@ -163,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     port = sock.getsockname()[1]
     print(f"miles dashboard: http://{args.host}:{port}/  ({args.run_dir}{', following' if args.follow else ''})", flush=True)
     try:
-        _uvicorn_server(create_app(args.run_dir, follow=args.follow)).run(sockets=[sock])
+        app = create_app(args.run_dir, follow=args.follow, allowed_hosts=_allowed_hosts(args.host))
+        _uvicorn_server(app).run(sockets=[sock])
     finally:
         sock.close()
     return 0

@@ -18,7 +18,7 @@ from test_dashboard_store import parse_payload
 
 @pytest.fixture(scope="module")
 def client(long_run_dir):
-    return TestClient(create_app(long_run_dir), raise_server_exceptions=False)
+    return TestClient(create_app(long_run_dir), base_url="http://127.0.0.1", raise_server_exceptions=False)
 
 
 def test_the_json_endpoints_describe_the_run(client):
@@ -73,7 +73,7 @@ def test_a_step_symlinked_out_of_the_run_dir_is_not_served(tmp_path):
     RolloutDumpWriter(run_dir=run).write_step(1, [sample])
     RolloutDumpWriter(run_dir=outside).write_step(2, [sample])
     (run / "rollouts" / "step_000002").symlink_to(outside / "rollouts" / "step_000002")
-    c = TestClient(create_app(run), raise_server_exceptions=False)
+    c = TestClient(create_app(run), base_url="http://127.0.0.1", raise_server_exceptions=False)
     assert c.get("/api/steps/2/samples").status_code == 404
     assert c.get("/api/steps/2/samples/0").status_code == 404
     assert [s["step"] for s in c.get("/api/steps").json()["steps"]] == [1]
@@ -100,6 +100,12 @@ def test_the_dashboard_binds_loopback_by_default(long_run_dir):
     with DashboardServer(long_run_dir) as server:
         assert server.sock.getsockname()[0] == "127.0.0.1" and server.url.startswith("http://127.0.0.1:")
         assert httpx.get(server.url + "api/info").json()["name"] == "run"
+
+
+def test_a_request_naming_another_host_is_refused(client):
+    """DNS rebinding: a page on evil.example re-points its name at 127.0.0.1 and reads the dashboard."""
+    assert client.get("/api/config", headers={"Host": "evil.example:8642"}).status_code == 400
+    assert client.get("/api/config", headers={"Host": "localhost:8642"}).status_code == 200
 
 
 def test_main_refuses_a_missing_run_dir(tmp_path, capsys):
