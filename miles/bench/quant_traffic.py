@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import dataclass
 
 import torch
 
 from miles.bench.moe_model import SIZES, TinyMoE
 from miles.memory import MemoryLedger, TaggedMemory
 from miles.memory.traffic import RECIPES, offload_bytes, weight_shapes
-from miles.quant import apply_precision, clear_quantized_workspaces, quantized_workspace_tensors
+from miles.quant import ClearReport, apply_precision, clear_quantized_workspaces, quantized_workspace_tensors
 
 TAGS = ("params", "quant_workspace")
 
@@ -38,21 +39,32 @@ def train_step(model: TinyMoE, tokens: torch.Tensor) -> None:
     opt.zero_grad(set_to_none=True)
 
 
-def offload_once(model: TinyMoE, device: torch.device, *, clear: bool, cuda_graphs_captured: bool = False
-                 ) -> tuple[dict[str, int], float, object, TaggedMemory]:
+@dataclass(slots=True)
+class Offload:
+    moved: dict[str, int]  # bytes the ledger saw arrive on the host, per tag
+    seconds: float  # the pause, host-buffer allocation included
+    report: ClearReport | None
+    memory: TaggedMemory
+    allocator_freed: int | None  # CUDA only: memory_allocated() drop across the pause, the allocator's own count
+
+
+def offload_once(model: TinyMoE, device: torch.device, *, clear: bool, cuda_graphs_captured: bool = False) -> Offload:
     """Sleep as the trainer does: optionally clear, then pause params + quant_workspace to host."""
     ledger = MemoryLedger()
     mem = TaggedMemory("trainer/0", ledger, device)
     mem.register("params", model.parameters(), policy="host")
     mem.register("quant_workspace", lambda: quantized_workspace_tensors(model), policy="host")
     report = clear_quantized_workspaces(model, cuda_graphs_captured=cuda_graphs_captured) if clear else None
-    if device.type == "cuda":
+    cuda = device.type == "cuda"
+    if cuda:
         torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device) if cuda else 0
     t0 = time.perf_counter()
     mem.pause(TAGS, phase="offload")
     seconds = time.perf_counter() - t0
+    freed = before - torch.cuda.memory_allocated(device) if cuda else None
     moved = {tag: ledger.moved(phase="offload").get((tag, "host"), 0) for tag in TAGS}
-    return moved, seconds, report, mem
+    return Offload(moved, seconds, report, mem, freed)
 
 
 def measure_recipe(cfg: dict, recipe: str, clear: bool, device: torch.device) -> dict:
@@ -62,8 +74,9 @@ def measure_recipe(cfg: dict, recipe: str, clear: bool, device: torch.device) ->
     train_step(model, tokens)
     with torch.no_grad():
         before = model(tokens)
-    measured, seconds, report, mem = offload_once(model, device, clear=clear)
-    mem.resume(TAGS, phase="onload")
+    off = offload_once(model, device, clear=clear)
+    off.memory.resume(TAGS, phase="onload")
+    measured, seconds, report = off.moved, off.seconds, off.report
     with torch.no_grad():
         after = model(tokens)  # rebuilds the cleared workspaces on a miss
     predicted = offload_bytes(weight_shapes(cfg), recipe, clear_workspaces=clear)
@@ -72,6 +85,8 @@ def measure_recipe(cfg: dict, recipe: str, clear: bool, device: torch.device) ->
         "recipe": recipe, "clear_workspaces": clear, "predicted_bytes": p, "measured_bytes": m,
         "measured_over_predicted": round(m / p, 6), "predicted_by_tag": predicted, "measured_by_tag": measured,
         "pause_seconds": round(seconds, 6), "pause_GBps": round(m / seconds / 1e9, 3) if seconds else None,
+        "allocator_freed_bytes": off.allocator_freed,
+        "allocator_over_ledger": None if off.allocator_freed is None else round(off.allocator_freed / m, 6),
         "outputs_bit_equal_after_rebuild": bool(torch.equal(before, after)),
         "clear_report": None if report is None else {"cleared_modules": report.cleared_modules,
                                                      "bytes_freed": report.bytes_freed,
@@ -112,12 +127,12 @@ def cuda_graph_check(cfg: dict, recipe: str, device: torch.device) -> dict:
         tokens = _batch(cfg, device)
         train_step(model, tokens)
         graph, replay_same = _capture_attention(model, tokens, device)
-        moved, seconds, report, mem = offload_once(model, device, clear=clear, cuda_graphs_captured=True)
-        mem.resume(TAGS, phase="onload")
+        off = offload_once(model, device, clear=clear, cuda_graphs_captured=True)
+        off.memory.resume(TAGS, phase="onload")
         results["on" if clear else "off"] = {
-            "measured_bytes": sum(moved.values()), "measured_by_tag": moved,
-            "graph_replay_bit_equal_to_eager": replay_same, "pause_seconds": round(seconds, 6),
-            "skipped_reason": None if report is None else report.skipped_reason}
+            "measured_bytes": sum(off.moved.values()), "measured_by_tag": off.moved,
+            "allocator_freed_bytes": off.allocator_freed, "graph_replay_bit_equal_to_eager": replay_same,
+            "skipped_reason": None if off.report is None else off.report.skipped_reason}
         del graph
     results["same_bytes"] = results["on"]["measured_bytes"] == results["off"]["measured_bytes"]
     return {"recipe": recipe, **results}
@@ -139,6 +154,8 @@ def run(argv: list[str]) -> dict:
            "reduction_with_clearing": reduction,
            "max_abs_deviation": max(abs(r["measured_over_predicted"] - 1) for r in rows),
            "all_outputs_bit_equal": all(r["outputs_bit_equal_after_rebuild"] for r in rows)}
+    if device.type == "cuda":  # the CUDA allocator's count of freed bytes cross-checks the ledger's
+        out["max_allocator_deviation"] = max(abs(r["allocator_over_ledger"] - 1) for r in rows)
     if args.cuda_graphs:
         if device.type != "cuda":
             raise SystemExit("--cuda-graphs needs a CUDA device (--device cuda)")

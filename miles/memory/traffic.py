@@ -71,17 +71,21 @@ def workspace_bytes(w: WeightShape, recipe: str, training: bool = True) -> int:
 
 
 def offload_bytes(shapes: list[WeightShape], recipe: str, *, clear_workspaces: bool, training: bool = True,
-                  param_bytes: int = 2, grad_bytes: int = 0, optimizer_bytes: int = 0, world_size: int = 1
-                  ) -> dict[str, int]:
+                  param_bytes: int = 2, grad_bytes: int = 0, optimizer_bytes: int = 0, world_size: int = 1,
+                  shard_workspaces: bool = True) -> dict[str, int]:
     """Bytes one offload moves per tag on one rank (an even 1/world_size shard of everything).
 
     ``grad_bytes`` / ``optimizer_bytes`` are per parameter element (0: freed or not offloaded; Adam with FP32
     master weights and moments: 12). The "quant_workspace" tag is 0 when the workspaces are cleared first.
+    ``shard_workspaces=False`` for FSDP-style sharding, where each rank quantizes the all-gathered weight and
+    so caches full-size copies of every layer it ran.
     """
     numel = sum(w.numel for w in shapes)
-    out = {"params": numel * param_bytes, "grads": numel * grad_bytes, "optimizer": numel * optimizer_bytes,
-           "quant_workspace": 0 if clear_workspaces else sum(workspace_bytes(w, recipe, training) for w in shapes)}
-    return {tag: b // world_size for tag, b in out.items() if b or tag in ("params", "quant_workspace")}
+    ws = 0 if clear_workspaces else sum(workspace_bytes(w, recipe, training) for w in shapes)
+    out = {"params": numel * param_bytes // world_size, "grads": numel * grad_bytes // world_size,
+           "optimizer": numel * optimizer_bytes // world_size,
+           "quant_workspace": ws // world_size if shard_workspaces else ws}
+    return {tag: b for tag, b in out.items() if b or tag in ("params", "quant_workspace")}
 
 
 def workspace_share(shapes: list[WeightShape], recipe: str, **kw) -> float:

@@ -63,5 +63,7 @@ def test_clearing_share_and_sharding():
     one = offload_bytes(shapes, "mxfp8", clear_workspaces=False)
     four = offload_bytes(shapes, "mxfp8", clear_workspaces=False, world_size=4)
     assert four["quant_workspace"] == one["quant_workspace"] // 4
+    fsdp = offload_bytes(shapes, "mxfp8", clear_workspaces=False, world_size=4, shard_workspaces=False)
+    assert fsdp["quant_workspace"] == one["quant_workspace"] and fsdp["params"] == four["params"]
     with_adam = offload_bytes(shapes, "mxfp8", clear_workspaces=True, optimizer_bytes=12)
     assert with_adam["optimizer"] == 6 * with_adam["params"]

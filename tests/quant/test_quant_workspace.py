@@ -50,7 +50,7 @@ def test_clear_on_unrelated_configs_skips_without_error(caplog):
 
 
 def test_bf16_with_cuda_graphs_and_clearing_on_moves_the_same_bytes_as_clearing_off():
-    moved = {clear: offload_once(trained("bf16"), torch.device("cpu"), clear=clear, cuda_graphs_captured=True)[0]
+    moved = {clear: offload_once(trained("bf16"), torch.device("cpu"), clear=clear, cuda_graphs_captured=True).moved
              for clear in (False, True)}
     assert moved[True] == moved[False]
 
@@ -107,3 +107,12 @@ def test_cuda_graphs_skip_and_move_the_same_bytes_on_the_gpu():
     for recipe in ("bf16", "mxfp8"):
         r = cuda_graph_check(CFG, recipe, torch.device("cuda"))
         assert r["same_bytes"] and "CUDA graphs" in r["on"]["skipped_reason"], r
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_allocator_agrees_with_the_ledger_on_offload_bytes():
+    for recipe in ("fp8", "mxfp8", "nvfp4"):  # the larger size: 4-byte scales round up to 512 B blocks
+        row = measure_recipe(SIZES["cuda"], recipe, clear=False, device=torch.device("cuda"))
+        assert abs(row["measured_over_predicted"] - 1) <= 0.02 and abs(row["allocator_over_ledger"] - 1) <= 0.02, row
+        assert row["outputs_bit_equal_after_rebuild"]
