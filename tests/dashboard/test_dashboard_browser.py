@@ -239,3 +239,18 @@ def test_follow_mode_shows_new_steps_and_metrics_live(browser, tmp_path):
         p.wait_for_function("document.querySelector(\".card[data-metric='reward'] .title span\").innerText === '0.7'")
         p.close()
     shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+def test_a_deep_link_the_next_button_and_a_missing_sample_all_stay_in_the_sample_view(page):
+    page.goto(page.url.split("#")[0] + "#sample/3/0")
+    wait_scrolled(page, "3/0")
+    page.click("#next-sample")
+    wait_scrolled(page, "3/1")
+    assert page.evaluate("location.hash") == "#sample/3/1"
+    page.keyboard.press("[")
+    wait_scrolled(page, "3/0")
+    page.goto(page.url.split("#")[0] + "#sample/3/99")
+    page.wait_for_function("document.getElementById('pane-sample').dataset.state === 'error'")
+    assert "row 99 does not exist" in page.inner_text("#sample-status")
+    assert all("404" in e for e in page.errors)  # the browser logs the failed fetch; nothing else went wrong
+    page.errors.clear()

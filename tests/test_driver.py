@@ -1,0 +1,64 @@
+"""The RL loop end to end on real Ray actors (tiny model, a few seconds per step)."""
+
+import json
+import re
+
+import pytest
+
+from miles.driver import train
+from miles.rollout.tasks import RewardError
+from tests.conftest import tiny_run_cfg
+
+
+def _metrics(cfg):
+    return [json.loads(l) for l in open(f"{cfg.run_dir}/metrics.jsonl")]
+
+
+def test_a_short_run_writes_one_metrics_row_per_rl_step_and_a_final_checkpoint(tmp_path, ray_session):
+    cfg = tiny_run_cfg(tmp_path, "sync.check_weights=true", "num_steps=3")
+    rows = train(cfg, progress=False)
+    rl = [r for r in _metrics(cfg) if "step" in r]
+    assert [r["step"] for r in rl] == [0, 1, 2] == [r["step"] for r in rows]
+    assert all(0.0 <= r["reward"] <= 1.0 and r["weight_version"] == r["step"] for r in rl)
+    assert {"loss", "time/generate", "tokens_per_s", "mem/device_peak", "mem/host_peak", "sync/bytes"} <= set(rl[0])
+    assert (tmp_path / "run" / "checkpoints" / "step_000003" / "model.safetensors").exists()
+    ledger = [json.loads(l) for l in open(tmp_path / "run" / "ledger.jsonl")]
+    assert {e["tag"] for e in ledger} >= {"params", "optimizer", "weights", "kv_cache"}
+
+
+def test_resume_continues_from_the_last_complete_checkpoint_and_skips_a_half_written_one(tmp_path, ray_session, caplog):
+    cfg = tiny_run_cfg(tmp_path, "num_steps=2", "checkpoint_every=1")
+    train(cfg, progress=False)
+    ckpts = tmp_path / "run" / "checkpoints"
+    (ckpts / "step_000005").mkdir()  # a checkpoint directory without its files, e.g. a copy that died halfway
+    (ckpts / "step_000005" / "model.safetensors").write_bytes(b"\0" * 3)
+    (ckpts / ".step_000004.abc.tmp").mkdir()  # left by a crash while writing
+    more = tiny_run_cfg(tmp_path, "num_steps=4", "checkpoint_every=1")
+    with caplog.at_level("WARNING"):
+        rows = train(more, progress=False)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]  # steps 0-1 kept from the first run, 2-3 new
+    assert any(re.search(r"ignoring checkpoint .*step_000005: missing", m) for m in caplog.messages)
+    assert not (ckpts / ".step_000004.abc.tmp").exists()
+    assert [r["step"] for r in _metrics(more) if "step" in r] == [0, 1, 2, 3]
+
+
+def _raise_on_second_call():
+    state = {"n": 0}
+
+    def reward(prompt, response, target):
+        state["n"] += 1
+        if state["n"] > 16:  # the first step's 16 samples score fine; the next step fails
+            raise KeyError("broken reward")
+        return 0.5
+    return reward
+
+
+flaky_reward = _raise_on_second_call()
+
+
+def test_a_reward_function_that_raises_stops_with_a_clear_error_and_keeps_completed_steps(tmp_path, ray_session):
+    cfg = tiny_run_cfg(tmp_path, "num_steps=3", "checkpoint_every=0", f"task.reward={__name__}:flaky_reward")
+    with pytest.raises(RewardError, match=r"RL step 1: reward function .*flaky_reward raised KeyError: 'broken reward'"):
+        train(cfg, progress=False)
+    assert (tmp_path / "run" / "checkpoints" / "step_000001" / "model.safetensors").exists()
+    assert [r["step"] for r in _metrics(cfg) if "step" in r] == [0]
