@@ -56,7 +56,8 @@ class Cluster:
         for s in steps:
             key = f"{s.owner}.{s.verb}"
             if s.owner == "engine":
-                moved[key] = moved.get(key, 0) + self.get(getattr(self.rollout, s.verb).remote(list(s.tags)))
+                args = [list(s.tags)] if s.verb in ("offload", "onload") else []  # guarded verbs pick their own tags
+                moved[key] = moved.get(key, 0) + self.get(getattr(self.rollout, s.verb).remote(*args))
             elif s.owner == "trainer" and s.verb == "clear_memory":
                 self.trainer.call("clear_memory")
             elif s.owner == "trainer":

@@ -1,9 +1,24 @@
 """HandoffPlan: the ordered offload/onload steps between rollout and training, decided once from the config.
 
-The driver executes a plan for real; the planner replays the same steps against estimated sizes. Two
-orders (DESIGN §2): peak device ``cpu`` (each side offloads before the other onloads: the host briefly holds
-both sides' copies) and ``gpu`` (the other side onloads first: the overlap sits in GPU memory, and the
-engine's host mirror and the trainer's host backup never coexist).
+The driver executes a plan for real (miles.cluster.Cluster.execute over Ray, miles.colocated.Colocated in one
+process); the planner (miles.planner) replays the same steps against estimated sizes. Two orders (DESIGN §2):
+
+peak device ``cpu`` (each side offloads before the other onloads; the host briefly holds both copies)
+    rollout->train: engine.offload_kv -> engine.offload_weights -> trainer.onload
+    train->rollout: trainer.offload -> engine.onload_weights -> sync -> engine.onload_kv
+peak device ``gpu`` (the other side onloads first: the overlap sits in GPU memory and the engine's host
+mirror and the trainer's host backup never coexist)
+    init:           engine.offload_kv -> sync -> trainer.offload -> engine.onload_kv
+    rollout->train: engine.offload_kv -> trainer.onload -> engine.offload_weights
+    train->rollout: trainer.clear_memory -> engine.onload_weights -> trainer.offload -> sync -> engine.onload_kv
+
+Engine steps use the RolloutManager's guarded verbs. ``offload_weights`` / ``onload_weights`` stay in the plan
+when ``weight`` is not in ``offload_rollout_level``: the manager's guard makes them move nothing, and the plan
+records that with empty tags (so the executed sequence and the plan are the same list). A step's ``tags`` are
+the tags it is expected to move; the planner prices exactly those.
+
+    plan = HandoffPlan.from_config(cfg.handoff)        # 'auto' -> miles.driver.resolve_plan / miles.planner
+    for step in plan.rollout_to_train: ...             # Step("engine", "offload_kv", ("cuda_graph", "kv_cache"))
 """
 
 from __future__ import annotations
@@ -13,16 +28,23 @@ from dataclasses import dataclass
 from miles.config import HandoffConfig
 
 TRAIN_ALL = ("params", "grads", "optimizer", "ref")
+ENGINE_VERBS = ("offload_kv", "offload_weights", "onload_weights", "onload_kv")
+TRAINER_VERBS = ("offload", "onload", "clear_memory")
+MODES = ("cpu", "gpu")
 
 
 @dataclass(frozen=True, slots=True)
 class Step:
     owner: str  # "engine" | "trainer" | "sync"
-    verb: str  # engine: offload/onload; trainer: offload/onload/clear_memory; sync: update_weights
-    tags: tuple[str, ...] = ()
+    verb: str  # engine: ENGINE_VERBS; trainer: TRAINER_VERBS; sync: update_weights
+    tags: tuple[str, ...] = ()  # the tags this step moves (empty: a guarded no-op, clear_memory or the sync)
 
     def __str__(self) -> str:
         return f"{self.owner}.{self.verb}({', '.join(self.tags)})"
+
+    @property
+    def key(self) -> str:
+        return f"{self.owner}.{self.verb}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,40 +59,49 @@ class HandoffPlan:
     def from_config(cls, cfg: HandoffConfig, mode: str | None = None, reason: str = "") -> "HandoffPlan":
         mode = mode or cfg.colocate_memory_peak_device
         if mode == "auto":
-            raise ValueError("resolve colocate_memory_peak_device='auto' with miles.planner before building a plan")
-        engine_tags = _engine_tags(cfg)
-        weights = tuple(t for t in engine_tags if t == "weights")
-        kv = tuple(t for t in engine_tags if t != "weights")
+            raise ValueError("colocate_memory_peak_device = 'auto' is resolved by miles.planner.choose_mode(run_cfg); "
+                             "call miles.driver.resolve_plan(run_cfg) or pass mode='cpu' / 'gpu'")
+        if mode not in MODES:
+            raise ValueError(f"colocate_memory_peak_device = {mode!r} is not one of {list(MODES) + ['auto']}")
+        if mode == "gpu" and (cfg.offload_train == "none" or not cfg.offload_rollout):
+            raise ValueError("colocate_memory_peak_device = 'gpu' needs offload_train and offload_rollout; set "
+                             "handoff.offload_train=host (or disk) and handoff.offload_rollout=true, or use 'cpu'")
+        e = _engine_steps(cfg)
         train = TRAIN_ALL if cfg.offload_train != "none" else ()
-        sync = Step("sync", "update_weights")
-        S = Step
+        t_off, t_on = Step("trainer", "offload", train), Step("trainer", "onload", train)
+        sync, clear = Step("sync", "update_weights"), Step("trainer", "clear_memory")
         if mode == "cpu":
-            init = (sync, S("trainer", "offload", train))
-            r2t = (S("engine", "offload", engine_tags), S("trainer", "onload", train))
-            t2r = (S("trainer", "clear_memory"), S("trainer", "offload", train), S("engine", "onload", weights), sync,
-                   S("engine", "onload", kv))
+            init = (sync, t_off)
+            r2t = (e["offload_kv"], e["offload_weights"], t_on)
+            t2r = (t_off, e["onload_weights"], sync, e["onload_kv"])
         else:
-            init = (S("engine", "offload", kv), sync, S("trainer", "offload", train), S("engine", "onload", kv))
-            r2t = (S("engine", "offload", kv), S("trainer", "onload", train), S("engine", "offload", weights))
-            t2r = (S("trainer", "clear_memory"), S("engine", "onload", weights), S("trainer", "offload", train), sync,
-                   S("engine", "onload", kv))
-        strip = lambda steps: tuple(s for s in steps if s.owner in ("sync",) or s.verb == "clear_memory" or s.tags)
-        return cls(mode, strip(init), strip(r2t), strip(t2r), reason)
+            init = (e["offload_kv"], sync, t_off, e["onload_kv"])
+            r2t = (e["offload_kv"], t_on, e["offload_weights"])
+            t2r = (clear, e["onload_weights"], t_off, sync, e["onload_kv"])
+        keep = lambda steps: tuple(s for s in steps if s is not None and (s.owner != "trainer" or s.tags or s.verb == "clear_memory"))
+        return cls(mode, keep(init), keep(r2t), keep(t2r), reason)
+
+    def phases(self) -> dict[str, tuple[Step, ...]]:
+        return {"init": self.init, "rollout_to_train": self.rollout_to_train, "train_to_rollout": self.train_to_rollout}
 
     def describe(self) -> str:
         lines = [f"colocate_memory_peak_device = {self.mode}" + (f" ({self.reason})" if self.reason else "")]
-        for name in ("init", "rollout_to_train", "train_to_rollout"):
-            lines.append(f"  {name}: " + " -> ".join(map(str, getattr(self, name))))
+        for name, steps in self.phases().items():
+            lines.append(f"  {name}: " + " -> ".join(map(str, steps)))
         return "\n".join(lines)
 
 
-def _engine_tags(cfg: HandoffConfig) -> tuple[str, ...]:
-    """Engine tags released while training: cuda_graph always; kv_cache / weights per offload_rollout_level."""
+def engine_level_tags(cfg: HandoffConfig, verb: str) -> tuple[str, ...]:
+    """The tags an engine verb moves under the level guard (the RolloutManager applies the same rule)."""
+    if verb in ("offload_kv", "onload_kv"):
+        return ("cuda_graph",) + (("kv_cache",) if "kv_cache" in cfg.offload_rollout_level else ())
+    if verb in ("offload_weights", "onload_weights"):
+        return ("weights",) if "weight" in cfg.offload_rollout_level else ()
+    raise ValueError(f"engine verb {verb!r} is not one of {ENGINE_VERBS}")
+
+
+def _engine_steps(cfg: HandoffConfig) -> dict[str, Step | None]:
+    """No engine steps at all without offload_rollout; otherwise every verb, guarded ones with empty tags."""
     if not cfg.offload_rollout:
-        return ()
-    tags = ["cuda_graph"]
-    if "kv_cache" in cfg.offload_rollout_level:
-        tags.append("kv_cache")
-    if "weight" in cfg.offload_rollout_level:
-        tags.append("weights")
-    return tuple(tags)
+        return dict.fromkeys(ENGINE_VERBS)
+    return {v: Step("engine", v, engine_level_tags(cfg, v)) for v in ENGINE_VERBS}

@@ -54,8 +54,13 @@ def _bytes_view(storage: torch.UntypedStorage) -> torch.Tensor:
 
 
 def allocate_host_buffer(nbytes: int, pin: bool) -> torch.Tensor:
-    """One contiguous host buffer of exactly ``nbytes`` (pinned when a CUDA device is the source)."""
-    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+    """One contiguous host buffer of exactly ``nbytes`` (pinned when a CUDA device is the source).
+
+    An arena of its own (miles.memory.host_arena): the OS holds the bytes rounded up to a page, not the power of
+    two torch's caching pinned allocator would reserve, and the pages go back when the backup is dropped."""
+    from miles.memory.host_arena import host_arena
+
+    return host_arena(nbytes, pin=pin)
 
 
 def allocate_disk_buffer(nbytes: int, path: str) -> torch.Tensor:

@@ -1,0 +1,119 @@
+"""Colocated: the rollout manager and one trainer rank in this process, sharing one device and one MemoryLedger.
+
+It executes HandoffPlan steps with the same step -> call mapping as miles.cluster.Cluster.execute, without Ray:
+the unit tests check plan against execution with it, and the handoff benchmark and notebooks measure real
+peaks, bytes and copy speed with it (on CPU here, on one GPU where Ray is not installed).
+
+    co = Colocated(cfg, device="cuda")
+    plan = HandoffPlan.from_config(cfg.handoff)
+    co.execute(plan.init, version=0)
+    for step in range(n):
+        batches, _ = co.manager.generate(step)
+        co.execute(plan.rollout_to_train)
+        co.backend.train_step(batches[0])
+        co.execute(plan.train_to_rollout, version=step + 1)
+    co.records   # one StepRecord per executed step: bytes moved, seconds, the ledger events it caused
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from miles.config import RunConfig
+from miles.handoff import ENGINE_VERBS, HandoffPlan, Step
+from miles.memory import LedgerEvent
+from miles.rollout.manager import RolloutManager
+from miles.train.torch_backend import TorchBackend
+
+
+@dataclass(slots=True)
+class StepRecord:
+    phase: str  # "init" | "rollout_to_train" | "train" | "train_to_rollout"
+    step: Step
+    moved: int  # bytes the call reported
+    seconds: float
+    events: list[LedgerEvent] = field(default_factory=list)
+    device_allocated: int = 0  # torch.cuda.memory_allocated() after the step (0 on CPU)
+
+    def moved_tags(self) -> tuple[str, ...]:
+        """Tags that really moved (in the step's own order of first appearance)."""
+        return tuple(dict.fromkeys(e.tag for e in self.events if e.bytes))
+
+
+class Colocated:
+    """One engine group + one trainer rank on one device; see the module docstring for the call order."""
+
+    def __init__(self, cfg: RunConfig, device: str = "cpu", disk_dir: str | None = None):
+        if cfg.trainer.world_size != 1:
+            raise ValueError(f"Colocated runs one trainer rank; trainer.world_size = {cfg.trainer.world_size}: use "
+                             f"miles.cluster.Cluster for more ranks")
+        self.cfg, self.device = cfg, device
+        self.manager = RolloutManager(cfg, device)
+        self.ledger = self.manager.ledger
+        self.backend = TorchBackend(cfg.model, cfg.trainer, device=device, seed=cfg.seed,
+                                    temperature=cfg.rollout.temperature, ledger=self.ledger,
+                                    offload_policy=cfg.handoff.offload_train, disk_dir=disk_dir)
+        self.records: list[StepRecord] = []
+        self.events: list[LedgerEvent] = []  # every ledger event so far, in order (construction included)
+        self._drain()
+
+    def _drain(self) -> list[LedgerEvent]:
+        new, _ = self.ledger.drain()
+        self.events += new
+        return new
+
+    def execute(self, steps: tuple[Step, ...], version: int | None = None, phase: str = "") -> dict[str, int]:
+        """Run plan steps in order; returns bytes moved per ``owner.verb`` (like Cluster.execute)."""
+        moved: dict[str, int] = {}
+        for s in steps:
+            t0 = time.perf_counter()
+            n = self._call(s, version)
+            if self.device == "cuda":
+                torch.cuda.synchronize()
+            rec = StepRecord(phase, s, n, time.perf_counter() - t0, self._drain(), _allocated(self.device))
+            self.records.append(rec)
+            moved[s.key] = moved.get(s.key, 0) + n
+        return moved
+
+    def _call(self, s: Step, version: int | None) -> int:
+        if s.owner == "engine" and s.verb in ENGINE_VERBS:
+            return getattr(self.manager, s.verb)()
+        if s.owner == "trainer" and s.verb == "clear_memory":
+            self.backend.clear_memory()
+            return 0
+        if s.owner == "trainer" and s.verb in ("offload", "onload"):
+            return getattr(self.backend, s.verb)(s.tags)
+        if s.owner == "sync":
+            named = list(self.backend.named_weights())
+            for e in self.manager.engines:
+                e.update_weights_from_tensor(named, version)
+            return 0
+        raise ValueError(f"plan step {s} has no executor mapping; valid owners engine/trainer/sync")
+
+    def train(self, batches) -> dict:
+        """One train step on the rank's batch, recorded as a 'train' row (device bytes after it)."""
+        t0 = time.perf_counter()
+        metrics = self.backend.train_step(batches[0])
+        self.records.append(StepRecord("train", Step("trainer", "train"), 0, time.perf_counter() - t0, self._drain(),
+                                       _allocated(self.device)))
+        return metrics
+
+    def run(self, plan: HandoffPlan, num_steps: int) -> list[dict]:
+        """init, then ``num_steps`` of generate -> rollout_to_train -> train -> train_to_rollout."""
+        self.execute(plan.init, version=0, phase="init")
+        rows = []
+        for i in range(num_steps):
+            batches, metrics = self.manager.generate(i)
+            self._drain()
+            self.execute(plan.rollout_to_train, phase="rollout_to_train")
+            metrics |= self.train(batches)
+            self.execute(plan.train_to_rollout, version=i + 1, phase="train_to_rollout")
+            rows.append(metrics)
+        return rows
+
+
+def _allocated(device: str) -> int:
+    return torch.cuda.memory_allocated() if device == "cuda" else 0
