@@ -255,6 +255,11 @@ class Dashboard {
       requestAnimationFrame(() => { queued = false; this.drawTokenChart(); });
     });
     $("token-chart").onclick = (e) => { if (this.chart) this.strip.scrollToToken(this.chart.toToken(e.offsetX)); };
+    document.addEventListener("keydown", (e) => {  // [ and ] step through the samples of a step
+      if (this.tab !== "sample" || e.target.closest?.("select, input")) return;
+      if (e.key === "[") this.stepSample(-1);
+      if (e.key === "]") this.stepSample(+1);
+    });
   }
 
   stepSample(delta) {
@@ -293,7 +298,11 @@ class Dashboard {
       if (!r.ok) throw new Error((await r.json()).detail ?? `HTTP ${r.status}`);
       data = parseSample(await r.arrayBuffer());
     } catch (e) {
-      if (seq === this.loadSeq) { pane.dataset.state = "error"; $("sample-status").textContent = String(e.message); }
+      if (seq === this.loadSeq) {
+        pane.dataset.state = "error";
+        $("sample-status").textContent = String(e.message);
+        this.sampleKey = null;  // asking for it again retries
+      }
       return;
     }
     if (seq !== this.loadSeq) return;  // a newer sample was asked for meanwhile

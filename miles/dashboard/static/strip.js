@@ -163,7 +163,7 @@ export class TokenStrip {
     }
     this._observer = new IntersectionObserver((entries) => {
       for (const e of entries) if (e.isIntersecting) this.materialise(Number(e.target.dataset.block));
-    }, { root: this.el, rootMargin: "200% 0px" });
+    }, { root: this.el, rootMargin: "100% 0px" });  // one box height ahead in each direction
     for (const b of this.blocks) if (!b.live) this._observer.observe(b.el);
   }
 
