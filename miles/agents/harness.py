@@ -1,0 +1,333 @@
+"""The local agent harness: a server that runs SWE-style episodes against session servers, CPU side.
+
+Each episode gets a sandbox (a temp directory holding a tiny repository with a failing test), opens a session
+on its session-server instance, and loops: the model's reply -> tool calls (list_files, read_file, edit_file,
+run_test, submit) executed in the sandbox -> tool results back as messages. After the last turn the test
+runs once more; reward = 1 if it passes. Every episode is tagged with the instance id of its session server,
+so a flush of that instance cancels exactly its episodes, kills their test processes and removes their
+sandboxes before it returns. Every wait is bounded; a malformed call costs a turn, never a hang.
+
+    python -m miles.agents.harness --port 8090
+    POST /episodes {"episodes": [EpisodeSpec fields]}   GET /results?cursor=0&wait_s=2 (long poll)
+    POST /flush {"instance_id": "agent-8100"}           GET /episodes  GET /sandboxes  GET /health
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+from fastapi import Body, FastAPI, HTTPException
+
+from miles.agents.swe_tasks import RepoTask, make_task
+from miles.agents.tool_calls import format_tool_call
+
+SYSTEM = ("You fix bugs in a small repository. Call one tool per turn by writing <tool> then a JSON object, e.g. "
+          + format_tool_call("read_file", path="util.py") + ". Tools: list_files(), read_file(path), "
+          "edit_file(path, old, new), run_test(), submit().")
+
+
+@dataclass(kw_only=True, slots=True)
+class EpisodeSpec:
+    episode_id: str
+    group: int = 0  # prompt group within the rollout step
+    task_seed: int = 0
+    instance_id: str  # the session-server instance this episode talks to (flush key)
+    session_url: str  # that instance's base URL, e.g. http://127.0.0.1:8100
+    max_turns: int = 4
+    max_tokens: int = 48
+    temperature: float = 1.0
+    slow_s: float = 0.0  # the test sleeps this long each run (CPU-side long tail)
+    timeout_s: float = 120.0
+    test_timeout_s: float = 30.0
+
+    @classmethod
+    def parse(cls, d: dict) -> "EpisodeSpec":
+        names = {f.name for f in fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            raise ValueError(f"unknown episode field(s) {sorted(unknown)}; valid: {sorted(names)}")
+        return cls(**d)
+
+
+class Aborted(Exception):
+    """The episode's session was flushed on its instance."""
+
+
+class Harness:
+    """Runs episodes as asyncio tasks in one event loop (the server's).
+
+    harness = Harness(root="/tmp/miles-harness")
+    harness.start([EpisodeSpec(...), ...])            # returns at once
+    results, cursor = await harness.results(0, wait_s=2.0)
+    await harness.flush("agent-8100")                 # cancels that instance's episodes, removes their sandboxes
+    """
+
+    def __init__(self, root: str | os.PathLike | None = None):
+        self.root = Path(root or tempfile.mkdtemp(prefix="miles-harness-"))
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.tasks: dict[str, asyncio.Task] = {}
+        self.specs: dict[str, EpisodeSpec] = {}
+        self.phase: dict[str, str] = {}
+        self.procs: dict[str, asyncio.subprocess.Process] = {}
+        self.finished: list[dict] = []  # results, oldest first; cursors count from the first result ever
+        self._dropped = 0  # results trimmed off the front of `finished` (a long run keeps the last ones only)
+        self._new_result = asyncio.Event()
+        self._client = None
+
+    @property
+    def client(self):
+        import httpx
+
+        if self._client is None:
+            self._client = httpx.AsyncClient(timeout=httpx.Timeout(300.0, connect=5.0))
+        return self._client
+
+    def start(self, specs: list[EpisodeSpec]) -> list[str]:
+        dup = [s.episode_id for s in specs if s.episode_id in self.tasks]
+        if dup:
+            raise ValueError(f"episode id(s) {dup[:5]} are already running; use fresh ids")
+        for s in specs:
+            self.specs[s.episode_id] = s
+            self.tasks[s.episode_id] = asyncio.get_running_loop().create_task(self._episode(s))
+        return [s.episode_id for s in specs]
+
+    async def results(self, cursor: int, wait_s: float) -> tuple[list[dict], int]:
+        if cursor >= self._dropped + len(self.finished) and wait_s > 0:
+            self._new_result.clear()
+            try:
+                await asyncio.wait_for(self._new_result.wait(), timeout=wait_s)
+            except asyncio.TimeoutError:
+                pass
+        return self.finished[max(0, cursor - self._dropped):], self._dropped + len(self.finished)
+
+    async def flush(self, instance_id: str, timeout_s: float = 5.0) -> dict:
+        t0 = time.perf_counter()
+        ids = [eid for eid, s in self.specs.items() if s.instance_id == instance_id and eid in self.tasks]
+        for eid in ids:
+            self._kill(eid)
+            self.tasks[eid].cancel()
+        pending = [self.tasks[eid] for eid in ids if eid in self.tasks]
+        if pending:
+            await asyncio.wait(pending, timeout=timeout_s)
+        left = [eid for eid in ids if eid in self.tasks]
+        sandboxes = [eid for eid in ids if (self.root / eid).exists()]
+        return {"instance_id": instance_id, "cancelled": len(ids), "still_running": left,
+                "sandboxes_left": sandboxes, "seconds": time.perf_counter() - t0}
+
+    def running(self) -> dict:
+        return {eid: {"instance_id": self.specs[eid].instance_id, "phase": self.phase.get(eid, "")} for eid in self.tasks}
+
+    def sandboxes(self) -> list[str]:
+        return sorted(p.name for p in self.root.iterdir()) if self.root.exists() else []
+
+    # ---- one episode ----------------------------------------------------------------------------------------
+    async def _episode(self, spec: EpisodeSpec) -> None:
+        t0 = time.perf_counter()
+        out = {**asdict(spec), "status": "completed", "reward": 0.0, "passed": False, "num_turns": 0,
+               "num_tool_calls": 0, "num_malformed": 0, "error": "", "test_output": "", "test_seconds": 0.0,
+               "transcript": [], "record": None}
+        box = self.root / spec.episode_id
+        try:
+            task = make_task(spec.task_seed).with_slow_test(spec.slow_s)
+            _write_repo(box, task)
+            async with asyncio.timeout(spec.timeout_s):
+                await self._converse(spec, task, box, out)
+                self.phase[spec.episode_id] = "final_test"
+                passed, text, secs = await self._run_test(spec, task, box)
+                out.update(passed=passed, reward=float(passed), test_output=text[-400:], test_seconds=out["test_seconds"] + secs)
+        except asyncio.CancelledError:
+            out.update(status="cancelled", reward=0.0, error=f"flushed with instance {spec.instance_id}")
+            self._finish(spec, box, out, t0)
+            raise
+        except TimeoutError:
+            out.update(status="timeout", reward=0.0, error=f"episode ran past timeout_s = {spec.timeout_s}")
+        except Aborted as e:
+            out.update(status="aborted", reward=0.0, error=str(e))
+        except Exception as e:  # a crash inside the episode is a zero-reward sample with its reason, never a hang
+            out.update(status="error", reward=0.0, error=f"{type(e).__name__}: {e}")
+        self._finish(spec, box, out, t0)
+
+    def _finish(self, spec: EpisodeSpec, box: Path, out: dict, t0: float) -> None:
+        self._kill(spec.episode_id)
+        shutil.rmtree(box, ignore_errors=True)
+        out["seconds"] = time.perf_counter() - t0
+        self.tasks.pop(spec.episode_id, None)
+        self.specs.pop(spec.episode_id, None)
+        self.phase.pop(spec.episode_id, None)
+        self.finished.append(out)
+        if len(self.finished) > 20_000:
+            del self.finished[:10_000]
+            self._dropped += 10_000
+        self._new_result.set()
+
+    async def _converse(self, spec: EpisodeSpec, task: RepoTask, box: Path, out: dict) -> None:
+        url = spec.session_url.rstrip("/")
+        sid = (await self._post(f"{url}/sessions", {"metadata": {"episode_id": spec.episode_id}}))["session_id"]
+        out["session_id"] = sid
+        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": task.description}]
+        try:
+            for _ in range(spec.max_turns):
+                self.phase[spec.episode_id] = f"turn {out['num_turns']}"
+                reply = await self._post(f"{url}/sessions/{sid}/v1/chat/completions",
+                                         {"messages": messages, "max_tokens": spec.max_tokens, "temperature": spec.temperature})
+                if reply is None:  # the context is full: the episode ends, the final test decides
+                    break
+                out["num_turns"] += 1
+                msg = reply["choices"][0]["message"]
+                messages.append({"role": "assistant", "content": msg.get("content") or ""})
+                calls = msg.get("tool_calls") or []
+                if not calls:
+                    out["num_malformed"] += 1
+                    errors = reply.get("miles", {}).get("tool_call_errors") or ["no <tool> call in the reply"]
+                    messages.append({"role": "user", "content": f"error: {'; '.join(errors)[:200]}. Call a tool, e.g. "
+                                     + format_tool_call("list_files")})
+                    continue
+                results, done = [], False
+                for call in calls:
+                    text, done = await self._tool(spec, task, box, call, out)
+                    results.append(text)
+                    out["num_tool_calls"] += 1
+                    if done:
+                        break
+                messages.append({"role": "tool", "content": "\n".join(results)[:2000]})
+                if done:
+                    break
+            out["record"] = await self._post(f"{url}/sessions/{sid}", None, method="DELETE")
+        finally:
+            out["transcript"] = messages
+
+    async def _post(self, url: str, body, method: str = "POST"):
+        r = await self.client.request(method, url, json=body)
+        if r.status_code == 409:
+            raise Aborted(r.json().get("error", {}).get("message", r.text))
+        if r.status_code == 400 and r.json().get("error", {}).get("code") == "context_length_exceeded":
+            return None
+        if r.status_code >= 400:
+            raise RuntimeError(f"{method} {url} answered {r.status_code}: {r.text[:300]}")
+        return r.json()
+
+    async def _tool(self, spec: EpisodeSpec, task: RepoTask, box: Path, call: dict, out: dict) -> tuple[str, bool]:
+        fn = call.get("function", {})
+        name = fn.get("name", "")
+        try:
+            args = json.loads(fn.get("arguments") or "{}")
+            if name == "list_files":
+                return "\n".join(sorted(p.name for p in box.iterdir())), False
+            if name == "read_file":
+                return _inside(box, args["path"]).read_text()[:2000], False
+            if name == "edit_file":
+                path = _inside(box, args["path"])
+                text = path.read_text()
+                if args["old"] not in text:
+                    return f"error: {args['old']!r} is not in {args['path']}", False
+                path.write_text(text.replace(args["old"], args["new"], 1))
+                return f"edited {args['path']}", False
+            if name == "run_test":
+                passed, text, secs = await self._run_test(spec, task, box)
+                out["test_seconds"] += secs
+                return ("PASS\n" if passed else "FAIL\n") + text[-800:], False
+            if name == "submit":
+                return "submitted", True
+            return f"error: unknown tool {name!r}; tools: list_files, read_file, edit_file, run_test, submit", False
+        except (KeyError, TypeError, ValueError, OSError) as e:
+            return f"error: {name} failed: {type(e).__name__}: {e}", False
+
+    async def _run_test(self, spec: EpisodeSpec, task: RepoTask, box: Path) -> tuple[bool, str, float]:
+        t0 = time.perf_counter()
+        if not (box / task.test_file).exists():
+            raise FileNotFoundError(f"sandbox {box} lost {task.test_file}; the episode cannot be scored")
+        proc = await asyncio.create_subprocess_exec(sys.executable, "-I", task.test_file, cwd=box,
+                                                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+                                                    start_new_session=True)
+        self.procs[spec.episode_id] = proc
+        try:
+            stdout, _ = await asyncio.wait_for(proc.communicate(), timeout=spec.test_timeout_s)
+        except asyncio.TimeoutError:
+            return False, f"test ran past test_timeout_s = {spec.test_timeout_s}", time.perf_counter() - t0
+        finally:
+            self._kill(spec.episode_id)
+        return proc.returncode == 0, stdout.decode(errors="replace"), time.perf_counter() - t0
+
+    def _kill(self, eid: str) -> None:
+        proc = self.procs.pop(eid, None)
+        if proc is not None and proc.returncode is None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def _write_repo(box: Path, task: RepoTask) -> None:
+    box.mkdir(parents=True)
+    for rel, text in task.files.items():
+        (box / rel).write_text(text)
+
+
+def _inside(box: Path, rel) -> Path:
+    path = (box / str(rel)).resolve()
+    if box.resolve() not in path.parents:
+        raise ValueError(f"path {rel!r} is outside the repository")
+    return path
+
+
+def create_app(harness: Harness) -> FastAPI:
+    app = FastAPI(title="miles agent harness")
+
+    @app.post("/episodes")
+    async def start(body: dict = Body(...)):
+        try:
+            specs = [EpisodeSpec.parse(d) for d in body.get("episodes", [])]
+            return {"started": harness.start(specs)}
+        except (TypeError, ValueError) as e:
+            raise HTTPException(400, f"bad episode spec: {e}") from None
+
+    @app.get("/results")
+    async def results(cursor: int = 0, wait_s: float = 0.0):
+        out, nxt = await harness.results(max(0, cursor), min(max(0.0, wait_s), 30.0))
+        return {"results": out, "cursor": nxt}
+
+    @app.post("/flush")
+    async def flush(body: dict = Body(...)):
+        if not isinstance(body.get("instance_id"), str):
+            raise HTTPException(400, "POST /flush needs {'instance_id': '<id>'}")
+        return await harness.flush(body["instance_id"], float(body.get("timeout_s", 5.0)))
+
+    @app.get("/episodes")
+    async def episodes():
+        return harness.running()
+
+    @app.get("/sandboxes")
+    async def sandboxes():
+        return {"root": str(harness.root), "sandboxes": harness.sandboxes()}
+
+    @app.get("/health")
+    async def health():
+        return {"running": len(harness.tasks), "finished": harness._dropped + len(harness.finished), "root": str(harness.root)}
+
+    return app
+
+
+def main(argv: list[str] | None = None) -> int:
+    import uvicorn
+
+    p = argparse.ArgumentParser(prog="python -m miles.agents.harness")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--root", default="", help="directory for sandboxes (default: a fresh temp dir)")
+    a = p.parse_args(argv)
+    uvicorn.run(create_app(Harness(a.root or None)), host=a.host, port=a.port, log_level="warning")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

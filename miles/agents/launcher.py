@@ -1,0 +1,164 @@
+"""Starting the agent side: session-server processes on a port range, a harness process, or a server in a thread.
+
+Each process logs to a file; a process that does not answer ``/health`` in time is reported with its log tail.
+
+    procs = AgentProcesses.start(ports=[8100, 8101], harness_port=8090, model_json=cfg_json, max_seq_len=1024)
+    ...                                  # procs.session_urls, procs.harness_url
+    procs.stop()
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+def free_port_range(n: int, start: int = 20000, stop: int = 60000) -> int:
+    """The first port p such that p .. p+n-1 are all free on 127.0.0.1 (checked by binding)."""
+    p = start + (os.getpid() * 37) % 10000  # spread concurrent test runs apart
+    while p + n < stop:
+        if all(_free(p + i) for i in range(n)):
+            return p
+        p += n
+    raise RuntimeError(f"no {n} consecutive free ports in [{start}, {stop})")
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def wait_ready(url: str, timeout_s: float, proc: subprocess.Popen | None = None, log: Path | None = None) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            break
+        try:
+            if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    tail = log.read_text()[-2000:] if log and log.exists() else ""
+    state = f"exited with {proc.returncode}" if proc is not None and proc.poll() is not None else f"not ready after {timeout_s} s"
+    raise RuntimeError(f"{url} {state}; log tail:\n{tail}")
+
+
+@dataclass
+class AgentProcesses:
+    """Session-server processes (one per port, instance id ``agent-<port>``) and optionally a harness process."""
+
+    host: str = "127.0.0.1"
+    sessions: dict[int, subprocess.Popen] = field(default_factory=dict)
+    harness: subprocess.Popen | None = None
+    harness_url: str = ""
+    log_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="miles-agents-")))
+
+    @classmethod
+    def start(cls, *, ports: list[int], harness_port: int = 0, engine: str = "embedded", model_json: str = "",
+              max_seq_len: int = 0, seed: int = 0, host: str = "127.0.0.1", timeout_s: float = 60.0) -> "AgentProcesses":
+        procs = cls(host=host)
+        try:
+            for port in ports:
+                procs.sessions[port] = procs._spawn(
+                    f"session-{port}", "miles.agents.session_server", "--port", str(port), "--host", host,
+                    "--instance-id", f"agent-{port}", "--engine", engine, "--model-json", model_json,
+                    "--max-seq-len", str(max_seq_len), "--seed", str(seed))
+            if harness_port:
+                procs.harness = procs._spawn("harness", "miles.agents.harness", "--port", str(harness_port), "--host", host,
+                                             "--root", str(procs.log_dir / "sandboxes"))
+                procs.harness_url = f"http://{host}:{harness_port}"
+            for port, p in procs.sessions.items():
+                wait_ready(f"http://{host}:{port}", timeout_s, p, procs.log_dir / f"session-{port}.log")
+            if procs.harness is not None:
+                wait_ready(procs.harness_url, timeout_s, procs.harness, procs.log_dir / "harness.log")
+        except BaseException:
+            procs.stop()
+            raise
+        return procs
+
+    def _spawn(self, name: str, module: str, *args: str) -> subprocess.Popen:
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        log = open(self.log_dir / f"{name}.log", "wb")
+        return subprocess.Popen([sys.executable, "-m", module, *args], stdout=log, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+
+    @property
+    def session_urls(self) -> dict[int, str]:
+        return {port: f"http://{self.host}:{port}" for port in self.sessions}
+
+    def kill_session_server(self, port: int) -> None:
+        """Stop one instance hard (SIGKILL), as a crash would."""
+        _kill(self.sessions[port], signal.SIGKILL)
+
+    def kill_harness(self) -> None:
+        _kill(self.harness, signal.SIGKILL)
+
+    def stop(self) -> None:
+        for p in [*self.sessions.values(), self.harness]:
+            if p is not None:
+                _kill(p, signal.SIGTERM)
+        for p in [*self.sessions.values(), self.harness]:
+            if p is not None:
+                try:
+                    p.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    _kill(p, signal.SIGKILL)
+                    p.wait(timeout=5)
+
+    def __enter__(self) -> "AgentProcesses":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _kill(p: subprocess.Popen | None, sig: int) -> None:
+    if p is not None and p.poll() is None:
+        try:
+            os.killpg(p.pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+class ThreadServer:
+    """An ASGI app served by uvicorn in a daemon thread of this process (engines that must stay in-process).
+
+    server = ThreadServer(app, port=8100).start()
+    ...
+    server.stop()
+    """
+
+    def __init__(self, app, *, port: int, host: str = "127.0.0.1"):
+        import uvicorn
+
+        self.url = f"http://{host}:{port}"
+        self._server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+        self._thread = threading.Thread(target=self._server.run, name=f"uvicorn-{port}", daemon=True)
+
+    def start(self, timeout_s: float = 30.0) -> "ThreadServer":
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self._server.started and time.monotonic() < deadline and self._thread.is_alive():
+            time.sleep(0.02)
+        if not self._server.started:
+            raise RuntimeError(f"server at {self.url} did not start within {timeout_s} s (port taken?)")
+        return self
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=10)
