@@ -86,19 +86,22 @@ def _chain(root: Path, version: int, local_version: int | None) -> list[dict]:
 
 
 def load_version(path: str | os.PathLike, version: int, local_copy: dict[str, torch.Tensor], *,
-                 local_version: int | None = None) -> dict[str, torch.Tensor]:
+                 local_version: int | None = None, changed_only: bool = False) -> dict[str, torch.Tensor]:
     """Apply version ``version`` under the sync root ``path`` to the engine's ``local_copy`` and return the full
-    new mapping (changed tensors are new tensors on the same device; unchanged ones are ``local_copy``'s own).
+    new mapping (changed tensors are new tensors on the same device; unchanged ones are ``local_copy``'s own), or
+    with ``changed_only`` just the changed tensors (what an engine needs to copy into its parameters).
 
     ``local_copy`` must hold the engine's canonical weights at the index's base version; pass ``local_version``
     to check that, and to walk several published versions when the engine fell behind. Raises ``VersionError``
     (or ``MissingTensorError``) and leaves ``local_copy`` untouched when the version is absent, incomplete or
     corrupt, or does not match the engine's tensors.
     """
-    state = dict(local_copy)
+    state, changed = dict(local_copy), {}
     for index in _chain(Path(path), version, local_version):
-        state.update(_apply(Path(path), index, state))
-    return state
+        new = _apply(Path(path), index, state)
+        state.update(new)
+        changed.update(new)
+    return changed if changed_only else state
 
 
 def _apply(root: Path, index: dict, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

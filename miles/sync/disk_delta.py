@@ -252,6 +252,9 @@ class DiskDeltaSync:
         self._prune(version)
 
     def _prune(self, version: int) -> None:
+        """Delete versions older than ``keep_versions`` and temporary directories left by a crashed run."""
+        for stale in self.root.glob(".v*.tmp"):
+            shutil.rmtree(stale, ignore_errors=True)
         keep = self.config.keep_versions
         if keep:
             for old in published_versions(self.root):

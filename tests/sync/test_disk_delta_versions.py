@@ -60,6 +60,8 @@ def test_engine_walks_a_chain_of_versions_and_matches_the_trainer(published):
     assert all(torch.equal(got[k], v) for k, v in _weights(3).items())
     one_step = load_version(published, 3, _weights(2))  # without local_version: must be at the base version
     assert all(torch.equal(one_step[k], v) for k, v in _weights(3).items())
+    changed = load_version(published, 3, _weights(0), local_version=0, changed_only=True)
+    assert sorted(changed) == ["embed.weight", "step"]
 
 
 def _assert_rejected(published, match, exc=VersionError):
@@ -131,6 +133,7 @@ def test_sync_into_two_receivers_keeps_them_bit_equal_with_check_weights(tmp_pat
 def test_a_failed_update_publishes_nothing_and_a_retry_succeeds(tmp_path):
     base = save_baseline(_weights(0), tmp_path / "base.safetensors")
     sync = DiskDeltaSync(DiskDeltaConfig(root=str(tmp_path / "w"), baseline=str(base)))
+    (tmp_path / "w" / ".v00000001.crashed-run.tmp").mkdir(parents=True)  # left by a killed trainer
     bad = _weights(1)
     bad["norm.weight"] = bad["norm.weight"].float()
     with pytest.raises(ValueError, match=r"'norm.weight'.*BF16\[8\].*F32\[8\]"):
@@ -138,6 +141,7 @@ def test_a_failed_update_publishes_nothing_and_a_retry_succeeds(tmp_path):
     assert published_versions(tmp_path / "w") == []
     sync.update(_weights(1).items(), version=1)
     assert load_version(tmp_path / "w", 1, _weights(0))["step"].item() == 1
+    assert sorted(os.listdir(tmp_path / "w")) == ["LATEST", "v00000001"]
     with pytest.raises(ValueError, match="must be greater than the last published 1"):
         sync.update(_weights(2).items(), version=1)
 
