@@ -41,8 +41,9 @@ class MoEBlock(nn.Module):
         q = self.q_proj(x_BTH).view(B, T, self.nh, self.hd).transpose(1, 2)
         k = self.k_proj(x_BTH).view(B, T, self.nkv, self.hd).transpose(1, 2)
         v = self.v_proj(x_BTH).view(B, T, self.nkv, self.hd).transpose(1, 2)
-        rep = self.nh // self.nkv
-        o = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), is_causal=True)
+        k, v = (t[:, :, None].expand(B, self.nkv, self.nh // self.nkv, T, self.hd).reshape(B, self.nh, T, self.hd)
+                for t in (k, v))  # grouped KV heads by views + one copy: no host sync, so CUDA-graph capturable
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
 
     def moe(self, x_BTH: torch.Tensor) -> torch.Tensor:
@@ -55,6 +56,7 @@ class MoEBlock(nn.Module):
         xs = x_NH[token]
         y = self.down_proj(F.silu(self.gate_proj(xs, sizes)) * self.up_proj(xs, sizes), sizes)
         y = y * weights_NK.flatten()[order, None].to(y.dtype)
+        # top-2 onto zeros: the two adds per token commute exactly, so index_add_ is deterministic on CUDA too
         return torch.zeros_like(x_NH).index_add_(0, token, y).view_as(x_BTH)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -118,7 +118,7 @@ def _attention(cfg: dict, h: int, L: int) -> list[WeightShape]:
     nkv = cfg.get("num_key_value_heads", nh)
     out = [WeightShape("attn.q_proj", nh * hd, h, L), WeightShape("attn.k_proj", nkv * hd, h, L),
            WeightShape("attn.v_proj", nkv * hd, h, L), WeightShape("attn.o_proj", h, nh * hd, L)]
-    if cfg.get("attention_bias", False):
+    if cfg.get("attention_bias", cfg.get("model_type") == "qwen2"):  # Qwen2 has q/k/v biases
         out += [WeightShape("attn.qkv_bias", 1, (nh + 2 * nkv) * hd, L, quantized=False)]
     return out
 

@@ -67,3 +67,12 @@ def test_clearing_share_and_sharding():
     assert fsdp["quant_workspace"] == one["quant_workspace"] and fsdp["params"] == four["params"]
     with_adam = offload_bytes(shapes, "mxfp8", clear_workspaces=True, optimizer_bytes=12)
     assert with_adam["optimizer"] == 6 * with_adam["params"]
+
+
+@pytest.mark.parametrize("arch,tie", [("qwen2", True), ("llama", False)])
+def test_weight_shapes_cover_every_parameter_of_the_decoder(arch, tie):
+    from miles.model.config import ModelConfig
+    from miles.model.decoder import build_decoder
+    cfg = ModelConfig(architecture=arch, tie_word_embeddings=tie, attention_bias=arch == "qwen2")
+    model = build_decoder(cfg, seed=0, device="cpu")
+    assert sum(w.numel for w in weight_shapes(cfg.to_hf())) == sum(p.numel() for p in model.parameters())
