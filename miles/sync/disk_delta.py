@@ -139,6 +139,9 @@ class DiskDeltaSync:
         return dict(self._metrics)
 
     def update(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Publish ``version`` and load it into the engines. Four gathers, each reached by every rank with its
+        held error: encode -> (dedupe) -> write shards -> rank 0 publishes -> rank 0 updates the engines. Any
+        error raises ``CollectiveError`` on every rank; before the publish step nothing is published."""
         t0, held = time.perf_counter(), HeldError()
         step = self._encode_all(named_tensors, version, held)
         t_encode = time.perf_counter()
