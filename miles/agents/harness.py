@@ -184,8 +184,8 @@ class Harness:
                     break
                 out["num_turns"] += 1
                 msg = reply["choices"][0]["message"]
-                messages.append({"role": "assistant", "content": msg.get("content") or ""})
                 calls = msg.get("tool_calls") or []
+                messages.append({"role": "assistant", "content": msg.get("content") or "", **({"tool_calls": calls} if calls else {})})
                 if not calls:
                     out["num_malformed"] += 1
                     errors = reply.get("miles", {}).get("tool_call_errors") or ["no <tool> call in the reply"]
@@ -246,7 +246,7 @@ class Harness:
         t0 = time.perf_counter()
         if not (box / task.test_file).exists():
             raise FileNotFoundError(f"sandbox {box} lost {task.test_file}; the episode cannot be scored")
-        proc = await asyncio.create_subprocess_exec(sys.executable, "-I", task.test_file, cwd=box,
+        proc = await asyncio.create_subprocess_exec(sys.executable, "-E", "-s", task.test_file, cwd=box,
                                                     stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
                                                     start_new_session=True)
         self.procs[spec.episode_id] = proc

@@ -137,7 +137,8 @@ class SessionServer:
 
     def _sampling(self, body: dict) -> SamplingParams:
         try:
-            max_tokens = int(body.get("max_completion_tokens") or body.get("max_tokens") or 64)
+            raw = body.get("max_completion_tokens", body.get("max_tokens"))
+            max_tokens = 64 if raw is None else int(raw)
             temperature = float(body.get("temperature", 1.0))
             top_p = float(body.get("top_p", 1.0))
         except (TypeError, ValueError) as e:
