@@ -38,7 +38,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--device", default="cuda" if cuda else "cpu")
     p.add_argument("--param-mib", type=int, default=2048 if cuda else 256, help="fp32 master weights")
     p.add_argument("--chunk-mib", type=int, default=128 if cuda else 16)
-    p.add_argument("--matrix", default="4096x4096" if cuda else "32768x32",
+    p.add_argument("--matrix", default="4096x4096" if cuda else "131072x8",
                    help="shape of each fp32 matrix (thin on CPU: Muon's Newton-Schulz cost grows with the short side)")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--dir", default=_default_dir(), help="a scratch directory on the local disk (not tmpfs)")
@@ -70,36 +70,44 @@ def status() -> dict[str, int]:
 
 
 def reset_peak_rss() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets VmHWM to the current RSS
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current RSS
+    except OSError:  # not permitted here: VmHWM then stays the process-lifetime peak
+        pass
 
 
 def sequential_file_bandwidth(directory: str, nbytes: int, block: int = 16 << 20) -> dict:
-    """Plain write()+fsync of ``nbytes`` from memory to a new file, then (evicted from the page cache) read() of
-    it back into the same buffer, in ``block``-sized requests: the bandwidth this machine gives one file."""
+    """This machine's bandwidth for one file: write ``nbytes`` from memory into a preallocated file (+fsync), then,
+    evicted from the page cache, read it back in ``block``-sized requests into the same (already touched) buffer
+    and into freshly allocated memory (what a CPU restore does: its first touch of each page costs a fault)."""
     import torch
 
     from miles.optim.disk_offload import _transfer
 
     buf = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
-    pieces = [(off, buf[off : off + block]) for off in range(0, nbytes, block)]
     path = os.path.join(directory, f"seqbw.{os.getpid()}.bin")
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
+
+    def transfer(op, dst) -> float:
         t0 = time.perf_counter()
-        for piece in pieces:
-            _transfer(os.pwritev, fd, [piece])
-        os.fsync(fd)
-        write_s = time.perf_counter() - t0
+        for off in range(0, nbytes, block):
+            _transfer(op, fd, [(off, dst[off : off + block])])
+        if op is os.pwritev:
+            os.fsync(fd)
         os.posix_fadvise(fd, 0, nbytes, os.POSIX_FADV_DONTNEED)
-        t0 = time.perf_counter()
-        for piece in pieces:
-            _transfer(os.preadv, fd, [piece])
-        read_s = time.perf_counter() - t0
+        return nbytes / (time.perf_counter() - t0) / 1e9
+
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+        write = transfer(os.pwritev, buf)
+        read_touched = transfer(os.preadv, buf)
+        del buf
+        read_fresh = transfer(os.preadv, torch.empty(nbytes, dtype=torch.uint8))
     finally:
         os.close(fd)
         os.unlink(path)
-    return {"bytes": nbytes, "write_GBps": nbytes / write_s / 1e9, "read_GBps": nbytes / read_s / 1e9}
+    return {"bytes": nbytes, "write_GBps": write, "read_GBps": read_touched, "read_fresh_GBps": read_fresh}
 
 
 def pinned_bandwidth(nbytes: int) -> dict:
@@ -228,6 +236,7 @@ def _disk_throughput(offloader, state_bytes: int, sync, directory: str, repeats:
     med = lambda xs, k: statistics.median(x[k] for x in xs)
     return {"write_GBps": med(rows, "write_GBps"), "read_GBps": med(rows, "read_GBps"),
             "seq_write_GBps": med(seq, "write_GBps"), "seq_read_GBps": med(seq, "read_GBps"),
+            "seq_read_fresh_GBps": med(seq, "read_fresh_GBps"),
             "page_cache_fraction_before_read": max(r["page_cache_fraction_before_read"] for r in rows),
             "repeats": rows, "sequential": seq}
 
@@ -276,7 +285,8 @@ def run(argv: list[str]) -> dict:
             row.update(disk_write_GBps=d["write_GBps"], disk_read_GBps=d["read_GBps"],
                        seq_write_GBps=d["seq_write_GBps"], seq_read_GBps=d["seq_read_GBps"],
                        write_vs_sequential=d["write_GBps"] / d["seq_write_GBps"],
-                       read_vs_sequential=d["read_GBps"] / d["seq_read_GBps"])
+                       read_vs_sequential=d["read_GBps"] / d["seq_read_GBps"],
+                       read_vs_sequential_fresh=d["read_GBps"] / d["seq_read_fresh_GBps"])
         summary.append(row)
     disk_rows = [s for s in summary if s["mode"] == "disk"]
     out = {
@@ -285,7 +295,10 @@ def run(argv: list[str]) -> dict:
         "summary": summary, "runs": runs,
         "checks": {
             "disk_rss_growth_within_2_chunks": all(s["rss_growth_chunks"] <= 2.25 for s in disk_rows),
-            "disk_read_at_least_70pct_of_sequential": all(s["read_vs_sequential"] >= 0.7 for s in disk_rows),
+            # a CPU restore reads into fresh memory (the state is re-allocated); on CUDA into a reused pinned buffer
+            "disk_read_at_least_70pct_of_sequential_same_destination": all(
+                s["read_vs_sequential_fresh" if args.device == "cpu" else "read_vs_sequential"] >= 0.7 for s in disk_rows),
+            "disk_read_at_least_70pct_of_sequential_touched_buffer": all(s["read_vs_sequential"] >= 0.7 for s in disk_rows),
             "disk_write_at_least_70pct_of_sequential": all(s["write_vs_sequential"] >= 0.7 for s in disk_rows),
         },
     }

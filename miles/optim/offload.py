@@ -327,12 +327,16 @@ class ChunkedOptimizerStateOffloader:
         """The worker fills one pinned buffer from chunk i+1's pages while the copy engine uploads chunk i."""
         staging = self._staging_buffers()
         events = [torch.cuda.Event(), torch.cuda.Event()]
+        for chunk in self.chunks[:2]:
+            chunk.prefetch()
         pending = self._worker.submit(_fill_staging, events[0], staging[0], self.chunks[0])
         for i, pieces in enumerate(self._plan):
             slot = i % 2
             pending.result()
             if i + 1 < len(self.chunks):
                 pending = self._worker.submit(_fill_staging, events[1 - slot], staging[1 - slot], self.chunks[i + 1])
+            if i + 2 < len(self.chunks):
+                self.chunks[i + 2].prefetch()  # an asynchronous readahead hint for the one after
             for p in pieces:
                 _bytes(p.storage)[p.storage_offset : p.storage_offset + p.nbytes].copy_(
                     staging[slot][p.chunk_offset : p.chunk_offset + p.nbytes], non_blocking=True
@@ -357,7 +361,6 @@ def _drain_staging(event: torch.cuda.Event, staging: torch.Tensor, chunk: HostCh
 
 def _fill_staging(event: torch.cuda.Event, staging: torch.Tensor, chunk: HostChunk) -> None:
     event.synchronize()  # the upload that last read this buffer has finished
-    chunk.prefetch()
     chunk.load([(0, staging[: chunk.nbytes])])
     chunk.consumed()
 
