@@ -2,8 +2,9 @@
 
 Writes a synthetic run directory (with the same writers the driver uses), serves it, and in one browser
 measures side by side: building the strip and reaching its first paint with the block strip (the
-dashboard's) and with the naive one-span-per-token build (the reference), recolouring both, and how many
-requests one sample view makes (strip + chart + conversation: the goal is one).
+dashboard's) and with the naive one-span-per-token build (the reference) -- wall time, and the renderer's
+CPU time from a trace, which a machine busy with other work does not inflate -- recolouring both, and how
+many requests one sample view makes (strip + chart + conversation: the goal is one).
 
     python -c "import miles.bench as b, json; print(json.dumps(b.run('dashboard', ['--json']), indent=1))"
 """
@@ -11,6 +12,8 @@ requests one sample view makes (strip + chart + conversation: the goal is one).
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
 import tempfile
 import time
@@ -116,12 +119,14 @@ STRIP_JS = """async ({mode, url}) => {
   document.body.prepend(host);
   const paint = () => new Promise((r) => requestAnimationFrame(() => setTimeout(r, 0)));
   await paint();
+  performance.mark('strip-start');
   const t0 = performance.now();
   const strip = new TokenStrip(host, { mode });
   strip.build(data);
   strip.scrollToToken(data.promptLen);
   await paint();
   const first_paint_ms = performance.now() - t0;
+  performance.mark('strip-end');
   const t1 = performance.now();
   strip.recolor('entropy');
   await paint();
@@ -132,18 +137,45 @@ STRIP_JS = """async ({mode, url}) => {
 }"""
 
 
-def _measure_strips(page, url: str, repeats: int) -> dict:
+def _cpu_between_marks(trace: bytes) -> dict:
+    """CPU time (thread clock) of the renderer's top-level tasks between the strip-start and strip-end marks:
+    main thread alone, and all renderer threads (compositor, raster workers). Unlike wall time, a busy
+    machine does not inflate it."""
+    data = json.loads(trace)
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    marks = {e["name"]: e for e in events if e.get("name") in ("strip-start", "strip-end")}
+    start, end = marks["strip-start"], marks["strip-end"]
+    main, total = 0, 0
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") == "toplevel" and e["pid"] == start["pid"] and start["ts"] <= e["ts"] <= end["ts"]:
+            total += e.get("tdur", 0)
+            main += e.get("tdur", 0) if e["tid"] == start["tid"] else 0
+    return {"main_cpu_ms": main / 1000, "renderer_cpu_ms": total / 1000}
+
+
+def _measure_strips(browser, page, url: str, repeats: int) -> dict:
+    """Wall time (untraced runs) and CPU time (traced runs), the two modes alternating so both see the same load."""
     runs = {"blocks": [], "naive": []}
+    cpu = {"blocks": [], "naive": []}
     for _ in range(repeats):
-        for mode in runs:  # alternate, so both see the same machine load
+        for mode in runs:
             runs[mode].append(page.evaluate(STRIP_JS, {"mode": mode, "url": url}))
+    for _ in range(repeats):
+        for mode in cpu:
+            browser.start_tracing(page=page, categories=["toplevel", "blink.user_timing", "__metadata"])
+            page.evaluate(STRIP_JS, {"mode": mode, "url": url})
+            cpu[mode].append(_cpu_between_marks(browser.stop_tracing()))
     out = {}
+    med = lambda xs: round(statistics.median(xs), 1)
     for mode, rs in runs.items():
-        out[mode] = {"first_paint_ms_median": round(statistics.median(r["first_paint_ms"] for r in rs), 1),
+        out[mode] = {"first_paint_ms_median": med(r["first_paint_ms"] for r in rs),
                      "first_paint_ms_all": [round(r["first_paint_ms"], 1) for r in rs],
-                     "recolor_ms_median": round(statistics.median(r["recolor_ms"] for r in rs), 1),
+                     "main_thread_cpu_ms_median": med(c["main_cpu_ms"] for c in cpu[mode]),
+                     "renderer_cpu_ms_median": med(c["renderer_cpu_ms"] for c in cpu[mode]),
+                     "recolor_ms_median": med(r["recolor_ms"] for r in rs),
                      "spans_built": rs[0]["spans"], "tokens": rs[0]["tokens"]}
-    out["speedup_first_paint"] = round(out["naive"]["first_paint_ms_median"] / out["blocks"]["first_paint_ms_median"], 1)
+    for key in ("first_paint_ms_median", "main_thread_cpu_ms_median"):
+        out[f"speedup_{key.removesuffix('_median')}"] = round(out["naive"][key] / max(out["blocks"][key], 1e-3), 1)
     return out
 
 
@@ -187,8 +219,10 @@ def run(argv: list[str]) -> dict:
             page = browser.new_page(viewport={"width": 1400, "height": 900})
             page.goto(server.url)
             page.wait_for_function("document.body.dataset.ready === '1'")
-            strips = _measure_strips(page, "/api/steps/2/samples/1", args.repeats)
+            load_before = os.getloadavg()[0]
+            strips = _measure_strips(browser, page, "/api/steps/2/samples/1", args.repeats)
             view = _sample_view(page, server.url, 2, 1)
             browser.close()
     return {"tokens": args.tokens, "repeats": args.repeats, "write_run_dir_s": round(write_s, 2),
+            "load_avg_1min": [round(load_before, 1), round(os.getloadavg()[0], 1)],
             "strip": strips, **view, "goal": {"first_paint_ms": 66, "requests_per_sample_view": 1}}

@@ -53,29 +53,38 @@ export function parseSample(buffer) {
 // the scale is the 99th percentile of |value| over response tokens, so one outlier does not wash out the
 // rest. Colours are quantised to LEVELS steps per sign, so a 64k-token sample needs no 64k string formats.
 const LEVELS = 32;
-const PALETTES = {
-  pos: levels("220,38,38"), neg: levels("37,99,235"), seq: levels("124,58,237"),
-};
+const PALETTES = { pos: "220,38,38", neg: "37,99,235", seq: "124,58,237" };
 
-function levels(rgb) {
-  return Array.from({ length: LEVELS + 1 }, (_, k) => `rgba(${rgb},${(0.08 + (0.72 * k) / LEVELS).toFixed(3)})`);
+// One class per (palette, level), so spans share style rules (the style engine caches matched rules;
+// an inline style per span defeats that cache), installed once per document.
+function installColorClasses() {
+  if (document.getElementById("token-colors")) return;
+  const rules = [];
+  for (const [name, rgb] of Object.entries(PALETTES)) {
+    for (let k = 0; k <= LEVELS; k++) rules.push(`.${name}${k}{background-color:rgba(${rgb},${(0.08 + (0.72 * k) / LEVELS).toFixed(3)})}`);
+  }
+  const style = document.createElement("style");
+  style.id = "token-colors";
+  style.textContent = rules.join("\n");
+  document.head.appendChild(style);
 }
 
 export function colorScale(data, stat) {
   const values = data.stats[stat];
   if (!values) return { scale: 0, color: () => "" };
+  installColorClasses();
   const abs = new Float32Array(data.n - data.promptLen);
   let m = 0;
   for (let i = data.promptLen; i < data.n; i++) if (Number.isFinite(values[i])) abs[m++] = Math.abs(values[i]);
   const scale = m ? Math.max(kth(abs.subarray(0, m), Math.min(m - 1, Math.floor(m * 0.99))), 1e-6) : 1;
-  const palette = STATS[stat].diverging ? null : PALETTES.seq;
+  const diverging = STATS[stat].diverging;
   const { promptLen } = data;
-  // computed per token when a span is made or repainted: a 64k-token sample never needs 64k strings at once
+  // a class per token, computed when a span is made or repainted: never 64k strings at once
   const color = (i) => {
     const v = values[i];
     if (i < promptLen || !Number.isFinite(v)) return "";
     const k = Math.round(Math.min(1, Math.abs(v) / scale) * LEVELS);
-    return (palette ?? (v >= 0 ? PALETTES.pos : PALETTES.neg))[k];
+    return (diverging ? (v >= 0 ? "pos" : "neg") : "seq") + k;
   };
   return { scale, color };
 }
@@ -192,13 +201,17 @@ export class TokenStrip {
     for (let i = start; i < end; i++) {
       const s = document.createElement("span");
       s.textContent = text.slice(textStart[i], textStart[i + 1]);
-      if (i < promptLen) s.className = "p";
-      else if (!mask[i]) s.className = "m";
-      const c = this.color(i);
-      if (c) s.style.backgroundColor = c;
+      const cls = this._className(i, promptLen, mask);
+      if (cls) s.className = cls;
       frag.appendChild(s);
     }
     parent.appendChild(frag);
+  }
+
+  _className(i, promptLen, mask) {
+    if (i < promptLen) return "p";
+    const c = this.color(i);
+    return mask[i] ? c : c ? `m ${c}` : "m";
   }
 
   // Repaint backgrounds only: the spans, their layout and the scroll position stay as they are.
@@ -209,7 +222,8 @@ export class TokenStrip {
     for (const block of this.blocks) {
       if (!block.live) continue;
       const spans = block.el.children;
-      for (let i = block.start; i < block.end; i++) spans[i - block.start].style.backgroundColor = this.color(i);
+      const { promptLen, mask } = this.data;
+      for (let i = block.start; i < block.end; i++) spans[i - block.start].className = this._className(i, promptLen, mask);
     }
   }
 
