@@ -43,6 +43,9 @@ def _delegate(module: str):
     return run
 
 
+_DELEGATED = {"plan": "miles.planner", "serve": "miles.rollout.server", "dashboard": "miles.dashboard.server"}
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="miles", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -67,7 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in _DELEGATED:  # argparse's REMAINDER drops a leading --option; forward the raw list
+        args = argparse.Namespace(command=argv[0], rest=argv[1:], func=_delegate(_DELEGATED[argv[0]]))
+    else:
+        args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except (ValueError, ImportError, FileNotFoundError) as e:

@@ -15,6 +15,26 @@ from miles.train.actor import TrainGroup, resolve_device
 log = logging.getLogger("miles")
 
 
+def start_ray(address: str = "", *, num_cpus: int | None = None, threads: int = 1) -> None:
+    """Join ``address`` or start a local Ray. On a loaded machine the raylet's default 30 s wait for its agent's
+    port file runs out and the raylet aborts ("Timed out waiting for file .../metrics_agent_port..."), so the wait
+    is raised here before the raylet starts."""
+    import ray
+
+    os.environ.setdefault("RAY_agent_register_timeout_ms", "600000")
+    for attempt in range(3):  # Ray's own wait for the node to register is a fixed 30 s; retry on a loaded machine
+        try:
+            ray.init(address=address or None, num_cpus=None if address else num_cpus, include_dashboard=False,
+                     logging_level=logging.WARNING, log_to_driver=True,
+                     runtime_env={"env_vars": {"OMP_NUM_THREADS": str(threads)}})
+            return
+        except Exception as e:
+            if "timed out during startup" not in str(e) or attempt == 2:
+                raise
+            log.warning("Ray did not start in time (%s); retrying (%d/3)", e, attempt + 2)
+            ray.shutdown()
+
+
 class Cluster:
     """with Cluster(cfg) as c: c.rollout.generate.remote(step); c.execute(plan.init, version=0); c.trainer.call(...)"""
 
@@ -28,10 +48,8 @@ class Cluster:
         self.cfg = cfg
         self.owns_ray = not ray.is_initialized()
         if self.owns_ray:
-            local = not cfg.ray_address
-            ray.init(address=cfg.ray_address or None, num_cpus=max(os.cpu_count() or 1, cfg.trainer.world_size) if local else None,
-                     include_dashboard=False, logging_level=logging.WARNING, log_to_driver=True,
-                     runtime_env={"env_vars": {"OMP_NUM_THREADS": str(cfg.num_threads or os.cpu_count() or 1)}})
+            start_ray(cfg.ray_address, num_cpus=max(os.cpu_count() or 1, cfg.trainer.world_size),
+                      threads=cfg.num_threads or os.cpu_count() or 1)
         self.device = resolve_device(cfg)
         gpu = 1 if self.device == "cuda" else 0
         bundle = {"CPU": 1, **({"GPU": 1} if gpu else {})}
@@ -58,6 +76,8 @@ class Cluster:
             if s.owner == "engine":
                 args = [list(s.tags)] if s.verb in ("offload", "onload") else []  # guarded verbs pick their own tags
                 moved[key] = moved.get(key, 0) + self.get(getattr(self.rollout, s.verb).remote(*args))
+            elif s.owner == "trainer" and s.verb == "build":
+                pass  # the TrainGroup is built in __init__; building it here instead lowers the launch peak
             elif s.owner == "trainer" and s.verb == "clear_memory":
                 self.trainer.call("clear_memory")
             elif s.owner == "trainer":

@@ -6,7 +6,7 @@ peaks, bytes and copy speed with it (on CPU here, on one GPU where Ray is not in
 
     co = Colocated(cfg, device="cuda")
     plan = HandoffPlan.from_config(cfg.handoff)
-    co.execute(plan.init, version=0)
+    co.execute(plan.init, version=0)                    # its trainer.build step creates co.backend
     for step in range(n):
         batches, _ = co.manager.generate(step)
         co.execute(plan.rollout_to_train)
@@ -37,6 +37,7 @@ class StepRecord:
     seconds: float
     events: list[LedgerEvent] = field(default_factory=list)
     device_allocated: int = 0  # torch.cuda.memory_allocated() after the step (0 on CPU)
+    held_device: int = 0  # bytes of all tagged tensors resident after the step
 
     def moved_tags(self) -> tuple[str, ...]:
         """Tags that really moved (in the step's own order of first appearance)."""
@@ -53,9 +54,8 @@ class Colocated:
         self.cfg, self.device = cfg, device
         self.manager = RolloutManager(cfg, device)
         self.ledger = self.manager.ledger
-        self.backend = TorchBackend(cfg.model, cfg.trainer, device=device, seed=cfg.seed,
-                                    temperature=cfg.rollout.temperature, ledger=self.ledger,
-                                    offload_policy=cfg.handoff.offload_train, disk_dir=disk_dir)
+        self.disk_dir = disk_dir
+        self.backend: TorchBackend | None = None  # built by the plan's trainer.build step (or build_trainer())
         self.records: list[StepRecord] = []
         self.events: list[LedgerEvent] = []  # every ledger event so far, in order (construction included)
         self._drain()
@@ -73,7 +73,8 @@ class Colocated:
             n = self._call(s, version)
             if self.device == "cuda":
                 torch.cuda.synchronize()
-            rec = StepRecord(phase, s, n, time.perf_counter() - t0, self._drain(), _allocated(self.device))
+            rec = StepRecord(phase, s, n, time.perf_counter() - t0, self._drain(), _allocated(self.device),
+                             self.held_device_bytes())
             self.records.append(rec)
             moved[s.key] = moved.get(s.key, 0) + n
         return moved
@@ -81,6 +82,9 @@ class Colocated:
     def _call(self, s: Step, version: int | None) -> int:
         if s.owner == "engine" and s.verb in ENGINE_VERBS:
             return getattr(self.manager, s.verb)()
+        if s.owner == "trainer" and s.verb == "build":
+            self.build_trainer()
+            return 0
         if s.owner == "trainer" and s.verb == "clear_memory":
             self.backend.clear_memory()
             return 0
@@ -93,12 +97,29 @@ class Colocated:
             return 0
         raise ValueError(f"plan step {s} has no executor mapping; valid owners engine/trainer/sync")
 
+    def build_trainer(self) -> TorchBackend:
+        """Create the trainer rank (once): its tags enter the ledger's device pool now."""
+        if self.backend is None:
+            c = self.cfg
+            self.backend = TorchBackend(c.model, c.trainer, device=self.device, seed=c.seed,
+                                        temperature=c.rollout.temperature, ledger=self.ledger,
+                                        offload_policy=c.handoff.offload_train, disk_dir=self.disk_dir)
+        return self.backend
+
+    def held_device_bytes(self) -> int:
+        """Bytes the tagged tensors of both sides hold on the device now (lazily created optimizer state included)."""
+        mems = [e.memory for e in self.manager.engines] + ([self.backend.memory] if self.backend else [])
+        return sum(m.resident_bytes(t) for m in mems for t in m.tags)
+
     def train(self, batches) -> dict:
         """One train step on the rank's batch, recorded as a 'train' row (device bytes after it)."""
+        if self.device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
         metrics = self.backend.train_step(batches[0])
+        peak = torch.cuda.max_memory_allocated() if self.device == "cuda" else 0
         self.records.append(StepRecord("train", Step("trainer", "train"), 0, time.perf_counter() - t0, self._drain(),
-                                       _allocated(self.device)))
+                                       peak, self.held_device_bytes()))
         return metrics
 
     def run(self, plan: HandoffPlan, num_steps: int) -> list[dict]:

