@@ -2,11 +2,12 @@
 
 A TE module (``transformer_engine.pytorch.Linear``, ``GroupedLinear``, ``LayerNormLinear``, ...) keeps its
 quantized weights in ``module._fp8_workspaces: dict[str, QuantizedTensor]``; TE rebuilds an entry on the next
-forward when it is missing. The quantized tensors are wrapper subclasses whose bytes live in inner tensors:
-``_data`` / ``_transpose`` / ``_scale_inv`` (Float8Tensor), ``_rowwise_data`` / ``_columnwise_data`` /
+forward when it is missing. It caches only when the forward is given ``is_first_microbatch`` (Megatron
+passes it), and nothing in TE clears the cache, so it lives until the process exits. The quantized tensors
+are wrapper subclasses whose bytes live in inner tensors: ``_data`` / ``_transpose`` / ``_scale_inv`` (Float8Tensor), ``_rowwise_data`` / ``_columnwise_data`` /
 ``_rowwise_scale_inv`` / ``_columnwise_scale_inv`` (MXFP8, blockwise FP8, NVFP4) and ``_amax_rowwise`` /
 ``_amax_columnwise`` (NVFP4). TE cannot be installed on the CPU machines, so this module never imports it;
-it reads those attributes by name (a TE-marked test exercises it where TE exists).
+it reads those attributes by name (a gpu-marked test exercises a real TE Linear where TE is installed).
 """
 
 from __future__ import annotations
