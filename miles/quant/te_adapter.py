@@ -6,8 +6,9 @@ forward when it is missing. It caches only when the forward is given ``is_first_
 passes it), and nothing in TE clears the cache, so it lives until the process exits. The quantized tensors
 are wrapper subclasses whose bytes live in inner tensors: ``_data`` / ``_transpose`` / ``_scale_inv``
 (Float8Tensor), ``_rowwise_data`` / ``_columnwise_data`` / ``_rowwise_scale_inv`` / ``_columnwise_scale_inv``
-(MXFP8, blockwise FP8, NVFP4) and ``_amax_rowwise`` / ``_amax_columnwise`` (NVFP4). TE cannot be installed on the CPU machines, so this module never imports it;
-it reads those attributes by name (a gpu-marked test exercises a real TE Linear where TE is installed).
+(MXFP8, blockwise FP8, NVFP4) and ``_amax_rowwise`` / ``_amax_columnwise`` (NVFP4). TE cannot be installed
+on the CPU machines, so this module never imports it; it reads those attributes by name (a gpu-marked test
+exercises a real TE Linear where TE is installed).
 """
 
 from __future__ import annotations
