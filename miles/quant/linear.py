@@ -25,7 +25,7 @@ USE_SCALED_MM = True  # False forces the dequantize + matmul reference path ever
 def _scaled_mm_fits(x_MK: torch.Tensor, q: QuantizedTensor) -> bool:
     return (USE_SCALED_MM and q.fmt == "fp8" and x_MK.is_cuda and hasattr(torch, "_scaled_mm")
             and torch.cuda.get_device_capability(x_MK.device) >= (8, 9)
-            and x_MK.shape[0] % 16 == 0 and x_MK.shape[1] % 16 == 0 and q.shape[0] % 16 == 0)
+            and x_MK.shape[0] > 0 and x_MK.shape[0] % 16 == 0 and x_MK.shape[1] % 16 == 0 and q.shape[0] % 16 == 0)
 
 
 def quantized_matmul(x: torch.Tensor, q_NK: QuantizedTensor) -> torch.Tensor:
