@@ -6,7 +6,8 @@ RUN_DIR/
   metrics.jsonl               one object per RL step (step, reward, loss, time/*, mem/*, ...; keys vary)
   ledger.jsonl                one object per memory event (LedgerEvent fields, plus step)
   rollouts/step_000012/       one directory per RL step, published atomically (never half a step)
-    index.json                per-sample metadata, step summary, column layout
+    summary.json              step, num_samples, num_tokens, mean_reward, max_tokens (what the step list shows)
+    index.json                the same, plus per-sample metadata and the column layout
     tokens.int32              flat per-token columns over all samples of the step, in sample order;
     loss_mask.uint8           sample i owns tokens [token_start, token_start + num_tokens)
     rollout_log_probs.float32   NaN where unknown (prompt tokens, a missing stat)
@@ -120,12 +121,13 @@ class RolloutDumpWriter:
             for f in files.values():
                 f.close()
         rewards = [m["reward"] for m in metas if isinstance(m.get("reward"), (int, float))]
-        index = {
+        summary = {
             "format": 1, "step": step, "num_samples": len(metas), "num_tokens": pos["token"],
             "mean_reward": (sum(rewards) / len(rewards)) if rewards else None,
             "max_tokens": max((m["num_tokens"] for m in metas), default=0),
-            "columns": {name: dtype for name, dtype in COLUMNS.items()}, "samples": metas,
         }
+        index = {**summary, "columns": dict(COLUMNS), "samples": metas}
+        atomic_write_text(out / "summary.json", json.dumps(_clean(summary), allow_nan=False))
         atomic_write_text(out / "index.json", json.dumps(_clean(index), allow_nan=False, default=str))
 
     def _write_sample(self, files: dict, pos: dict, row: int, sample: dict) -> dict:
@@ -234,7 +236,7 @@ class RunDirReader:
         self.root = Path(run_dir).resolve()
         if not self.root.is_dir():
             raise FileNotFoundError(f"run directory {run_dir} does not exist; pass the run_dir a driver wrote")
-        self._index_cache: dict[int, tuple[int, dict]] = {}
+        self._cache: dict[tuple[int, str], tuple[tuple[int, int], dict]] = {}
 
     def path(self, *parts: str) -> Path:
         """A path inside the run directory; anything resolving outside it (.., symlinks) is refused."""
@@ -268,13 +270,15 @@ class RunDirReader:
         return rows, offset + end
 
     def steps(self) -> list[dict]:
+        """One small summary per published step (never the per-sample index: a long run has many steps)."""
         out = []
         for step in self._step_numbers():
-            try:
-                index = self.step_index(step)
-            except NotInRunDir:
-                continue
-            out.append({k: v for k, v in index.items() if k not in ("samples", "columns")})
+            for name in ("summary.json", "index.json"):  # dumps written before summary.json existed
+                try:
+                    out.append({k: v for k, v in self._cached_json(step, name).items() if k not in ("samples", "columns")})
+                    break
+                except NotInRunDir:
+                    continue
         return out
 
     def _step_numbers(self) -> list[int]:
@@ -284,12 +288,18 @@ class RunDirReader:
         return sorted(int(m.group(1)) for p in base.iterdir() if (m := STEP_DIR.match(p.name)))
 
     def step_index(self, step: int) -> dict:
-        path = self.path(ROLLOUTS, step_dir_name(step), "index.json")
-        mtime = path.stat().st_mtime_ns
-        cached = self._index_cache.get(step)
-        if cached is None or cached[0] != mtime:
-            cached = (mtime, json.loads(path.read_text()))
-            self._index_cache[step] = cached
+        return self._cached_json(step, "index.json")
+
+    def _cached_json(self, step: int, name: str) -> dict:
+        path = self.path(ROLLOUTS, step_dir_name(step), name)
+        stat = path.stat()
+        key, stamp = (step, name), (stat.st_ino, stat.st_mtime_ns)  # a replaced step has a new inode
+        cached = self._cache.get(key)
+        if cached is None or cached[0] != stamp:
+            if len(self._cache) > 256:
+                self._cache.clear()
+            cached = (stamp, json.loads(path.read_text()))
+            self._cache[key] = cached
         return cached[1]
 
     def sample_meta(self, step: int, row: int) -> dict:
