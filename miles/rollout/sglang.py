@@ -24,6 +24,7 @@ from miles.rollout.engine import EngineError, GenerateOutput, GenerateRequest
 from miles.rollout.sglang_api import FLATTENED_BUCKET, as_version, encode_payload, generate_body, parse_output
 
 log = logging.getLogger(__name__)
+logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request drowns every other log
 
 
 class EngineUnavailable(RuntimeError):
