@@ -1,0 +1,95 @@
+"""The planner: GB300 plans for the large recipes, parameter counts against the published totals, host footprint
+as the OS sees it, and 'auto'."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from miles.config import apply_overrides
+from miles.hardware import get_profile
+from miles.memory.host_arena import arena_footprint, caching_allocator_footprint
+from miles.memory.ledger import process_rss_bytes
+from miles.memory.tagged import _aligned_offsets, allocate_host_buffer
+from miles.model.size import available_hf_configs, count_params, load_hf_config, stated_params
+from miles.planner import TagSize, choose_mode, main, plan
+from miles.recipes import get_recipe, quickstart
+
+
+def plan_json(capsys, recipe: str) -> dict:
+    assert main(["--recipe", recipe, "--hardware", "gb300", "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("recipe", ["gb300_dsv4_flash_plan", "gb300_kimi_k2_plan"])
+def test_large_moe_recipes_overflow_the_gb300_host_in_cpu_mode_fit_in_gpu_mode_and_auto_picks_gpu(capsys, recipe):
+    out = plan_json(capsys, recipe)
+    cpu, gpu = out["plans"]["cpu"], out["plans"]["gpu"]
+    budget = 898 * (1 << 30)
+    assert cpu["budget"]["host_per_node"] == gpu["budget"]["host_per_node"] == budget
+    assert cpu["peaks"]["host_per_node"] > budget > gpu["peaks"]["host_per_node"]
+    assert gpu["fits"] == {"device": True, "host": True}
+    assert any("trainer.offload" in s and "host" in s for s in cpu["over_budget_steps"])
+    over = {s["step"].split("(")[0] for s in cpu["steps"] if "host" in s["over"]}
+    assert over == {"trainer.offload", "engine.offload_weights"}  # the engine mirror joins the trainer backup
+    assert out["auto"]["mode"] == "gpu" and "does not fit" in out["auto"]["reason"]
+
+
+def test_a_model_that_fits_the_host_either_way_keeps_the_cpu_default(capsys):
+    out = plan_json(capsys, "gb300_qwen3_235b_plan")
+    assert all(p["fits"]["host"] and p["fits"]["device"] for p in out["plans"].values())
+    assert out["auto"]["mode"] == "cpu"
+
+
+@pytest.mark.parametrize("name", [n for n in available_hf_configs()])
+def test_parameter_counts_are_within_three_percent_of_the_published_totals(name):
+    hf = load_hf_config(name)
+    c = count_params(hf)
+    assert abs(c.total / stated_params(hf) - 1) < 0.03
+    assert c.active <= c.total
+
+
+def test_deepseek_v3_counts_match_the_published_breakdown():
+    c = count_params(load_hf_config("deepseek-v3"))
+    assert abs(c.total / 671e9 - 1) < 0.001
+    assert abs(c.mtp / 11.5e9 - 1) < 0.02  # README_WEIGHTS: the MTP module adds 11.5B
+
+
+def test_auto_on_this_cpu_keeps_the_default_order_and_says_why():
+    mode, reason = choose_mode(quickstart(), "cpu")
+    assert mode == "cpu" and "fits on cpu" in reason
+
+
+def test_auto_refuses_a_model_that_fits_in_neither_mode_and_names_the_fixes():
+    cfg = apply_overrides(get_recipe("gb300_kimi_k2_plan"), ["trainer.world_size=32", "rollout.num_engines=4"])
+    with pytest.raises(ValueError, match="neither mode fits on gb300.*trainer.world_size"):
+        choose_mode(cfg)
+
+
+def test_host_backup_footprint_as_the_os_sees_it_is_the_planned_footprint():
+    sizes = [41 * 2**20 + 12, 21 * 2**20 + 7, 5 * 2**20 + 3, 999]  # odd sizes: alignment and page rounding matter
+    planned = TagSize("trainer", "params", tuple(sizes), "host").footprint()
+    assert planned == arena_footprint(_aligned_offsets(sizes)[-1])  # the packing TaggedMemory.pause uses
+    assert planned / sum(sizes) < 1.001
+    before = process_rss_bytes()
+    buf = allocate_host_buffer(_aligned_offsets(sizes)[-1], pin=torch.cuda.is_available())
+    buf.fill_(1)
+    grown = process_rss_bytes() - before
+    assert 0.98 < grown / planned < 1.02
+    del buf
+    assert process_rss_bytes() - before < 0.02 * planned  # pages go back to the OS, no allocator cache
+    assert caching_allocator_footprint(sum(sizes)) / sum(sizes) > 1.9  # what a power-of-two pinned block would hold
+
+
+def test_the_caching_allocator_model_raises_the_predicted_host_peak():
+    cfg = get_recipe("gb300_dsv4_flash_plan")
+    arena = plan(cfg, "gb300", mode="gpu")
+    caching = plan(cfg, "gb300", mode="gpu", host_allocator="caching")
+    assert caching.host_peak > 1.2 * arena.host_peak
+
+
+def test_cpu_profile_reads_this_machines_memory_budget():
+    hw = get_profile("cpu")
+    assert hw.unified and 0 < hw.host_bytes <= hw.host_physical_bytes
