@@ -40,7 +40,8 @@ def _free(port: int) -> bool:
             return False
 
 
-def wait_ready(url: str, timeout_s: float, proc: subprocess.Popen | None = None, log: Path | None = None) -> None:
+def wait_ready(url: str, timeout_s: float, proc: subprocess.Popen | None = None, log: Path | None = None) -> dict:
+    """The server's /health answer, once it gives one; an error with the log tail if it never does."""
     import httpx
 
     deadline = time.monotonic() + timeout_s
@@ -48,12 +49,14 @@ def wait_ready(url: str, timeout_s: float, proc: subprocess.Popen | None = None,
         if proc is not None and proc.poll() is not None:
             break
         try:
-            if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
-                return
+            r = httpx.get(f"{url}/health", timeout=1.0)
+            if r.status_code == 200:
+                return r.json()
         except httpx.HTTPError:
             pass
         time.sleep(0.1)
-    tail = log.read_text()[-2000:] if log and log.exists() else ""
+    logs = sorted(log.parent.glob(log.name)) if log else []
+    tail = "".join(f.read_text()[-2000:] for f in logs)
     state = f"exited with {proc.returncode}" if proc is not None and proc.poll() is not None else f"not ready after {timeout_s} s"
     raise RuntimeError(f"{url} {state}; log tail:\n{tail}")
 
@@ -63,7 +66,9 @@ class AgentProcesses:
     """Session-server processes (one per port, instance id ``agent-<port>``) and optionally a harness process."""
 
     host: str = "127.0.0.1"
-    sessions: dict[int, subprocess.Popen] = field(default_factory=dict)
+    ports: list[int] = field(default_factory=list)
+    procs: list[subprocess.Popen] = field(default_factory=list)  # a contiguous range is one forking parent
+    pids: dict[int, int] = field(default_factory=dict)  # port -> the pid serving it (read from /health)
     harness: subprocess.Popen | None = None
     harness_url: str = ""
     log_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="miles-agents-")))
@@ -71,19 +76,22 @@ class AgentProcesses:
     @classmethod
     def start(cls, *, ports: list[int], harness_port: int = 0, engine: str = "embedded", model_json: str = "",
               max_seq_len: int = 0, seed: int = 0, host: str = "127.0.0.1", timeout_s: float = 60.0) -> "AgentProcesses":
-        procs = cls(host=host)
+        procs = cls(host=host, ports=list(ports))
+        owner: dict[int, subprocess.Popen] = {}
         try:
-            for port in ports:
-                procs.sessions[port] = procs._spawn(
-                    f"session-{port}", "miles.agents.session_server", "--port", str(port), "--host", host,
-                    "--instance-id", f"agent-{port}", "--engine", engine, "--model-json", model_json,
-                    "--max-seq-len", str(max_seq_len), "--seed", str(seed))
+            for lo, hi in _runs(ports):
+                proc = procs._spawn(
+                    f"session-{lo}", "miles.agents.session_server", "--port", f"{lo}-{hi}", "--host", host,
+                    "--engine", engine, "--model-json", model_json, "--max-seq-len", str(max_seq_len), "--seed", str(seed))
+                procs.procs.append(proc)
+                owner |= {port: proc for port in range(lo, hi + 1)}
             if harness_port:
                 procs.harness = procs._spawn("harness", "miles.agents.harness", "--port", str(harness_port), "--host", host,
                                              "--root", str(procs.log_dir / "sandboxes"))
                 procs.harness_url = f"http://{host}:{harness_port}"
-            for port, p in procs.sessions.items():
-                wait_ready(f"http://{host}:{port}", timeout_s, p, procs.log_dir / f"session-{port}.log")
+            for port in ports:
+                health = wait_ready(f"http://{host}:{port}", timeout_s, owner[port], procs.log_dir / "session-*.log")
+                procs.pids[port] = health["pid"]
             if procs.harness is not None:
                 wait_ready(procs.harness_url, timeout_s, procs.harness, procs.log_dir / "harness.log")
         except BaseException:
@@ -99,20 +107,25 @@ class AgentProcesses:
 
     @property
     def session_urls(self) -> dict[int, str]:
-        return {port: f"http://{self.host}:{port}" for port in self.sessions}
+        return {port: f"http://{self.host}:{port}" for port in self.ports}
 
-    def kill_session_server(self, port: int) -> None:
-        """Stop one instance hard (SIGKILL), as a crash would."""
-        _kill(self.sessions[port], signal.SIGKILL)
+    def signal_instance(self, port: int, sig: int = signal.SIGKILL) -> None:
+        """Signal the one process serving ``port``: SIGKILL as a crash would, SIGSTOP to make it hang."""
+        os.kill(self.pids[port], sig)
 
     def kill_harness(self) -> None:
         _kill(self.harness, signal.SIGKILL)
 
     def stop(self) -> None:
-        for p in [*self.sessions.values(), self.harness]:
+        for pid in self.pids.values():  # a stopped instance would not hear SIGTERM
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        for p in [*self.procs, self.harness]:
             if p is not None:
                 _kill(p, signal.SIGTERM)
-        for p in [*self.sessions.values(), self.harness]:
+        for p in [*self.procs, self.harness]:
             if p is not None:
                 try:
                     p.wait(timeout=5)
@@ -125,6 +138,17 @@ class AgentProcesses:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _runs(ports: list[int]) -> list[tuple[int, int]]:
+    """Contiguous runs: [8100, 8101, 8105] -> [(8100, 8101), (8105, 8105)]."""
+    runs: list[list[int]] = []
+    for p in ports:
+        if runs and p == runs[-1][1] + 1:
+            runs[-1][1] = p
+        else:
+            runs.append([p, p])
+    return [(lo, hi) for lo, hi in runs]
 
 
 def _kill(p: subprocess.Popen | None, sig: int) -> None:

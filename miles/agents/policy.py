@@ -167,15 +167,21 @@ def parse_generate_response(d: dict) -> Completion:
                       weight_version=int(meta.get("weight_version", 0) or 0))
 
 
-def make_policy(spec: str, *, model_json: str = "", seed: int = 0, max_seq_len: int = 0, max_batch_size: int = 16):
-    """``"embedded"`` builds an in-process engine from a ModelConfig JSON; ``"http://..."`` reaches a server."""
-    if spec.startswith(("http://", "https://")):
-        return HttpPolicy(spec)
-    if spec != "embedded":
-        raise ValueError(f"engine {spec!r} is not known; use 'embedded' or an SGLang-compatible URL like http://127.0.0.1:30000")
+def make_engine(model_json: str = "", *, seed: int = 0, max_seq_len: int = 0, max_batch_size: int = 16) -> EmbeddedEngine:
+    """An embedded engine from ModelConfig fields as JSON ("" = the default config)."""
     import json
 
     from miles.model.config import ModelConfig
 
     cfg = ModelConfig(**json.loads(model_json)) if model_json else ModelConfig()
-    return EmbeddedPolicy(EmbeddedEngine(cfg, max_batch_size=max_batch_size, max_seq_len=max_seq_len, seed=seed))
+    return EmbeddedEngine(cfg, max_batch_size=max_batch_size, max_seq_len=max_seq_len, seed=seed)
+
+
+def make_policy(spec: str, engine: EmbeddedEngine | None = None):
+    """``"embedded"`` wraps ``engine`` (build it with make_engine); ``"http://..."`` reaches an SGLang-style server."""
+    if spec.startswith(("http://", "https://")):
+        return HttpPolicy(spec)
+    if spec != "embedded" or engine is None:
+        raise ValueError(f"engine {spec!r} is not known (or no engine was built); use 'embedded' with an engine, or an "
+                         "SGLang-compatible URL like http://127.0.0.1:30000")
+    return EmbeddedPolicy(engine)

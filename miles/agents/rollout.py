@@ -85,7 +85,7 @@ class AgentRollout:
         kept, harness_error = self._gather(groups, outstanding, enough=True)
         t_collect = time.perf_counter() - t0
         flush: list[FlushResult] = []
-        if outstanding and self.cfg.flush_enabled:
+        if (outstanding or harness_error) and self.cfg.flush_enabled:
             flush = self.flush_all()
             self._gather(groups, outstanding, enough=False, wait_s=self.cfg.flush_timeout_s)
         elif outstanding:  # no flush: the surplus runs to its end and the step waits for it

@@ -16,12 +16,15 @@ flush aborts every session of that instance at once.
 from __future__ import annotations
 
 import argparse
-import json
+import os
+import signal
 import threading
 import time
 import uuid
 from dataclasses import dataclass, field
 
+import torch  # imported before a port range forks its instances (one import for all of them)
+import uvicorn
 from fastapi import Body, FastAPI, Request
 from fastapi.responses import JSONResponse
 
@@ -216,7 +219,7 @@ class SessionServer:
 
     def health(self) -> dict:
         with self._lock:
-            return {"instance_id": self.instance_id, "sessions": len(self.sessions),
+            return {"instance_id": self.instance_id, "pid": os.getpid(), "sessions": len(self.sessions),
                     "running": sum(bool(s.inflight) for s in self.sessions.values()), "flushes": self.num_flushes}
 
 
@@ -275,15 +278,14 @@ def create_app(server: SessionServer) -> FastAPI:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import uvicorn
-
-    from miles.agents.policy import make_policy
-    from miles.model.tokenizer import load_tokenizer
+    """One instance per port. A port range forks one child process per port after the imports, so N instances
+    pay for one torch import; each child is still its own process (its pid is in /health)."""
+    from miles.config import parse_ports
 
     p = argparse.ArgumentParser(prog="python -m miles.agents.session_server")
-    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--port", required=True, help="a port (8100) or a range (8100-8103): one instance per port")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--instance-id", default="")
+    p.add_argument("--instance-id", default="", help="for a single port; default agent-<port>")
     p.add_argument("--engine", default="embedded", help="'embedded' or an SGLang-compatible URL")
     p.add_argument("--model-json", default="", help="ModelConfig fields as JSON (embedded engine)")
     p.add_argument("--tokenizer", default="bytes")
@@ -292,14 +294,42 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-batch-size", type=int, default=16)
     p.add_argument("--threads", type=int, default=1, help="torch threads (embedded engine)")
     a = p.parse_args(argv)
-    import torch
-
+    ports = parse_ports(a.port)
     torch.set_num_threads(a.threads)
-    policy = make_policy(a.engine, model_json=a.model_json, seed=a.seed, max_seq_len=a.max_seq_len,
-                         max_batch_size=a.max_batch_size)
-    server = SessionServer(policy, load_tokenizer(a.tokenizer), instance_id=a.instance_id or f"agent-{a.port}")
-    uvicorn.run(create_app(server), host=a.host, port=a.port, log_level="warning")
+    engine = None
+    if a.engine == "embedded":  # built once, before the fork: the children share its pages copy-on-write
+        from miles.agents.policy import make_engine
+
+        engine = make_engine(a.model_json, seed=a.seed, max_seq_len=a.max_seq_len, max_batch_size=a.max_batch_size)
+    if len(ports) == 1:
+        return _serve(a, ports[0], a.instance_id or f"agent-{ports[0]}", engine)
+    children = []
+    for port in ports:
+        pid = os.fork()
+        if pid == 0:
+            os._exit(_serve(a, port, f"agent-{port}", engine))
+        children.append(pid)
+    signal.signal(signal.SIGTERM, lambda *_: [_kill_quietly(c) for c in children])
+    for c in children:
+        os.waitpid(c, 0)
     return 0
+
+
+def _serve(a, port: int, instance_id: str, engine) -> int:
+    from miles.agents.policy import make_policy
+    from miles.model.tokenizer import load_tokenizer
+
+    policy = make_policy(a.engine, engine)  # threads start here, after any fork
+    server = SessionServer(policy, load_tokenizer(a.tokenizer), instance_id=instance_id)
+    uvicorn.run(create_app(server), host=a.host, port=port, log_level="warning")
+    return 0
+
+
+def _kill_quietly(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        pass
 
 
 if __name__ == "__main__":
