@@ -250,15 +250,71 @@ class EmbeddedEngine:
         self.update_weights_from_tensor(named.items(), version)
 
     def update_weights_from_bucket(self, handle, version: int | None = None) -> None:
-        """Apply a flat bucket sent by handle (shared memory on CPU, CUDA IPC on GPU; see miles.sync.flat_bucket)."""
+        """Apply a flat bucket sent by handle (shared memory on CPU, CUDA IPC on GPU; see miles.sync.flat_bucket).
+        Inside an update opened by ``begin_weight_update`` the bucket lands in that update instead."""
         if not hasattr(self, "_opened"):
             from miles.sync.flat_bucket import OpenedBuffers
 
             self._opened = OpenedBuffers()
+        if self.weight_receiver().is_open:
+            from miles.sync.base import PieceMeta
+            from miles.sync.receiver import receive_flat
+
+            pieces = [PieceMeta(m.name, m.offset, m.nbytes) for m in handle.metas]
+            receive_flat(self._opened.buffer(handle), pieces, [self.weight_receiver()])
+            if version is not None:
+                self.set_weight_version(version)
+            return
         self.update_weights_from_tensor(self._opened.tensors(handle), version)
 
     def set_weight_version(self, version: int) -> None:
+        """Set the version; an update opened by ``begin_weight_update`` is committed into the weights first."""
+        self.weight_receiver().commit()
         self.weight_version = int(version)
+
+    # ---- weight sync, receive side (transactions, broadcast, RDT; see miles.sync.receiver) ---------------------
+    def weight_receiver(self):
+        if getattr(self, "_receiver", None) is None:
+            from miles.sync.receiver import WeightReceiver
+
+            self._receiver = WeightReceiver(self._target, self._lock)
+        return self._receiver
+
+    def begin_weight_update(self, manifest) -> None:
+        """Open an update (miles.sync.base.WeightManifest): validated whole before any byte moves; pieces then
+        land in it, ``set_weight_version`` commits it, ``abort_weight_update`` drops it (weights untouched)."""
+        if self.memory.is_paused("weights"):
+            raise EngineError("weights are released; resume_memory(['weights']) before updating them")
+        self.weight_receiver().begin(manifest)
+
+    def abort_weight_update(self) -> None:
+        self.weight_receiver().abort()
+
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                  group_name: str, backend: str = "gloo") -> None:
+        from miles.sync.receiver import join_group
+
+        join_group(master_address, master_port, rank_offset, world_size, group_name, backend)
+
+    def update_weights_from_distributed(self, names, dtypes, shapes, group_name: str, version: int | None = None) -> None:
+        from miles.sync.receiver import receive_broadcast
+
+        receive_broadcast(group_name, names, dtypes, shapes, [self.weight_receiver()], self.device)
+        if version is not None:
+            self.set_weight_version(version)
+
+    def destroy_weights_update_group(self, group_name: str) -> None:
+        from miles.sync.receiver import leave_group
+
+        leave_group(group_name)
+
+    def update_weights_from_rdt(self, tensors, pieces, version: int | None = None) -> None:
+        """One RDT round: ``tensors`` (Ray resolves the ObjectRef argument) is ``[flat uint8 bucket]``."""
+        from miles.sync.receiver import receive_rdt
+
+        receive_rdt(tensors, pieces, [self.weight_receiver()])
+        if version is not None:
+            self.set_weight_version(version)
 
     def named_weights(self) -> dict[str, torch.Tensor]:
         return {k: v.detach() for k, v in self.model.hf_state_dict().items()}

@@ -3,10 +3,15 @@
 On CPU the buffer is a file in /dev/shm (shared memory); on CUDA it is a device buffer shared through a
 CUDA IPC handle. Buffers are allocated once per bucket slot and reused across syncs, so the receiving side
 opens each handle once (opening a 4 GiB IPC handle costs about as much as copying the bytes).
+
+CUDA buffers are allocated with expandable segments off: memory from expandable (VMM) segments cannot be
+exported through ``cudaIpcGetMemHandle`` (nor registered with NIXL), so a staging buffer taken from such a
+segment would fail to open on the other side, or make NIXL fall back to a slow bounce path.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 import uuid
@@ -61,7 +66,7 @@ class StagingBuffers:
             if self.device.type == "cuda":
                 from torch.multiprocessing.reductions import reduce_tensor
 
-                buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=self.device)
+                buf = alloc_exportable(max(nbytes, 1), self.device)
                 cur = (key, buf, "", reduce_tensor(buf)[1])
             else:
                 path = os.path.join(_shm_dir(), key)
@@ -76,8 +81,8 @@ class StagingBuffers:
         for (_, t), m in zip(named, metas):
             src = t.detach().contiguous().reshape(-1).view(torch.uint8)
             buf[m.offset : m.offset + m.nbytes].copy_(src, non_blocking=True)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        if self.device.type == "cuda" or any(t.is_cuda for _, t in named):
+            torch.cuda.synchronize()  # the receiver reads the bytes as soon as it gets the handle
         return BucketHandle("cuda_ipc" if ipc else "shm", key, f"{os.getpid()}/{slot}", buf.numel(), tuple(metas), path, ipc)
 
     def _release(self, slot: int) -> None:
@@ -103,6 +108,11 @@ class OpenedBuffers:
         self.cache: dict[str, tuple[str, torch.Tensor]] = {}  # slot -> (key, opened buffer)
 
     def tensors(self, h: BucketHandle) -> list[tuple[str, torch.Tensor]]:
+        buf = self.buffer(h)
+        return [(m.name, buf[m.offset : m.offset + m.nbytes].view(getattr(torch, m.dtype)).view(m.shape)) for m in h.metas]
+
+    def buffer(self, h: BucketHandle) -> torch.Tensor:
+        """The sender's whole bucket as a flat uint8 tensor (opened once per sender buffer)."""
         key, buf = self.cache.get(h.slot, ("", None))
         if key != h.key:
             if h.kind == "shm":
@@ -112,7 +122,30 @@ class OpenedBuffers:
 
                 buf = rebuild_cuda_tensor(*h.ipc)
             self.cache[h.slot] = (h.key, buf)
-        return [(m.name, buf[m.offset : m.offset + m.nbytes].view(getattr(torch, m.dtype)).view(m.shape)) for m in h.metas]
+        return buf
+
+
+def alloc_exportable(nbytes: int, device: torch.device) -> torch.Tensor:
+    """A uint8 buffer another process can open (CUDA IPC) or NIXL can register: outside expandable segments."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+    with expandable_segments_off():
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+
+@contextlib.contextmanager
+def expandable_segments_off():
+    """Allocate from ordinary cudaMalloc segments inside the block, whatever PYTORCH_CUDA_ALLOC_CONF says."""
+    conf = (os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + "," + os.environ.get("PYTORCH_ALLOC_CONF", "")).replace(" ", "")
+    if "expandable_segments:True" not in conf:
+        yield
+        return
+    torch.cuda.memory._set_allocator_settings("expandable_segments:False")
+    try:
+        yield
+    finally:
+        torch.cuda.memory._set_allocator_settings("expandable_segments:True")
 
 
 def _shm_dir() -> str:

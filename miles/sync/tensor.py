@@ -1,64 +1,65 @@
 """The colocated ``tensor`` transport: flattened buckets handed to the engines by handle, no bytes on the wire.
 
 Use it when trainer and engines share a machine (colocated, or engines on the same host): on GPU the engine
-reads the trainer's bucket through CUDA IPC, on CPU through shared memory. Each bucket is bounded by
-``update_weight_buffer_size``; the same staging buffers are reused every sync.
+reads the trainer's bucket through CUDA IPC, on CPU through shared memory (/dev/shm). Each bucket is bounded
+by ``update_weight_buffer_size`` (a group larger than that grows the buffer, with a warning). Two staging
+buffers alternate, so the trainer packs bucket i+1 while the engines copy bucket i; they are allocated once
+and reused every sync, so each handle is opened once on the engine side.
+
+``staging_device="cpu"`` with CUDA weights is the host-staged path (device -> shared host memory -> device):
+it works between any two processes of a host and is the baseline the benchmark compares against.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
-from typing import Any
 
 import torch
 
 from miles.config import SyncConfig
-from miles.sync.base import call, plan_buckets
+from miles.sync.base import BucketSync, Piece, SyncTimer, fused_group, submit, wait
 from miles.sync.flat_bucket import StagingBuffers
 
+NUM_SLOTS = 2
 
-class TensorSync:
-    """sync = TensorSync(cfg, device); sync.connect([engine]); sync.update(backend.named_weights(), version=1)
+
+class TensorSync(BucketSync):
+    """sync = TensorSync(cfg.sync, device); sync.connect([engine]); sync.update(backend.named_weights(), version=1)
 
     Engines expose ``update_weights_from_bucket(handle, version)``, ``pause_generation``, ``flush_cache``,
-    ``continue_generation`` (the embedded engine and the RolloutManager do).
+    ``set_weight_version``, ``continue_generation`` (and ``begin_weight_update`` / ``abort_weight_update`` for
+    failure-safe updates): the embedded engine, the RolloutManager, the router and the SGLang client do.
     """
 
-    def __init__(self, cfg: SyncConfig, device, *, is_source: bool = True):
-        self.cfg, self.is_source = cfg, is_source
-        self.staging = StagingBuffers(torch.device(device))
-        self.engines: list[Any] = []
-        self._metrics: dict[str, float] = {}
+    name = "tensor"
 
-    def connect(self, engines: list[Any]) -> None:
-        self.engines = list(engines)
+    def __init__(self, cfg: SyncConfig, device, *, is_source: bool = True, staging_device=None, group_of=fused_group):
+        super().__init__(cfg, device, is_source=is_source, group_of=group_of)
+        self.staging = StagingBuffers(torch.device(staging_device or device))
+        self._inflight: dict[int, list] = {}
 
-    def update(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        t0 = time.perf_counter()
-        nbytes, nbuckets = 0, 0
-        if self.is_source:
-            for e in self.engines:
-                call(e, "pause_generation", "in_place")
-                call(e, "flush_cache")
-        for i, bucket in enumerate(plan_buckets(named_tensors, self.cfg.update_weight_buffer_size)):
-            if not self.is_source:
-                continue
-            handle = self.staging.pack(i, bucket)
-            for e in self.engines:
-                call(e, "update_weights_from_bucket", handle, None)
-            nbytes += sum(m.nbytes for m in handle.metas)
-            nbuckets += 1
-        if self.is_source:
-            for e in self.engines:
-                call(e, "set_weight_version", version)
-                call(e, "continue_generation")
-        dt = time.perf_counter() - t0
-        self._metrics = {"sync/bytes": nbytes, "sync/buckets": nbuckets, "sync/seconds": dt,
-                         "sync/gbps": nbytes / dt / 1e9 if dt else 0.0}
+    def _send(self, index: int, pieces: list[Piece], timer: SyncTimer) -> None:
+        slot = index % NUM_SLOTS
+        t = time.perf_counter()
+        wait(self._inflight.pop(slot, []))
+        t = timer.add("engine_wait", t)
+        handle = self.staging.pack(slot, [(p.name, p.tensor) for p in pieces])
+        timer.add("pack", t)
+        self._inflight[slot] = [submit(e, "update_weights_from_bucket", handle, None) for e in self.engines]
 
-    def metrics(self) -> dict[str, float]:
-        return dict(self._metrics)
+    def _finish(self, timer: SyncTimer) -> None:
+        t = time.perf_counter()
+        for slot in list(self._inflight):
+            wait(self._inflight.pop(slot))
+        timer.add("engine_wait", t)
+
+    def _abort(self) -> None:
+        for slot in list(self._inflight):  # let buckets in flight land before the engines drop the update
+            try:
+                wait(self._inflight.pop(slot))
+            except Exception:
+                pass
+        super()._abort()
 
     def close(self) -> None:
         self.staging.close()

@@ -1,0 +1,110 @@
+"""The ``broadcast`` transport: a torch.distributed group of the trainer's source rank and the engine processes.
+
+Use it when the engines run in other processes or on other hosts and no shared memory or RDT path exists
+between them: NCCL on GPU (over NVLink / InfiniBand, the usual disaggregated path of SGLang-based systems),
+gloo on CPU. Every bucket is packed into one flat buffer and broadcast in one collective; the engines land it
+in their open update. The group is private (its own TCPStore rendezvous), so it coexists with the trainer's
+FSDP world and needs no default process group in the engine processes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+
+import torch
+
+from miles.config import SyncConfig
+from miles.sync.base import BucketSync, Piece, SyncTimer, fused_group, is_actor, layout, submit, wait
+from miles.sync.receiver import broadcast, make_group
+
+log = logging.getLogger(__name__)
+
+
+class BroadcastSync(BucketSync):
+    """sync = BroadcastSync(cfg.sync, "cpu")      # inside the trainer's source rank
+    sync.connect([engine_actor, ...])            # engines join a group: rank 0 = trainer, 1.. = engines
+    sync.update(backend.named_weights(), version=1)
+    sync.close()                                 # engines leave the group
+
+    Engines (Ray actors) expose ``init_weights_update_group``, ``update_weights_from_distributed``,
+    ``destroy_weights_update_group`` besides the common update methods.
+    """
+
+    name = "broadcast"
+
+    def __init__(self, cfg: SyncConfig, device, *, is_source: bool = True, group_of=fused_group, timeout_s: float = 120.0):
+        super().__init__(cfg, device, is_source=is_source, group_of=group_of)
+        self.backend = "nccl" if self.device.type == "cuda" else "gloo"
+        self.group_name = f"miles-weights-{uuid.uuid4().hex[:8]}"
+        self.timeout_s = timeout_s
+        self.pg = None
+        self._buf: torch.Tensor | None = None
+
+    def connect(self, engines: list) -> None:
+        super().connect(engines)
+        if not self.is_source or not self.engines:
+            return
+        local = [e for e in self.engines if not is_actor(e)]
+        if local:
+            raise ValueError(f"the broadcast transport sends to engines in other processes (Ray actors); {local[0]!r} "
+                             "lives in this process: use sync.transport='tensor' for it")
+        addr, port = _address(), _free_port()
+        world = 1 + len(self.engines)
+        joins = [submit(e, "init_weights_update_group", addr, port, 1 + i, world, self.group_name, self.backend)
+                 for i, e in enumerate(self.engines)]
+        self.pg = make_group(addr, port, 0, world, self.group_name, self.backend, self.timeout_s)
+        wait(joins)
+        log.info("broadcast group %s: %s at %s:%d, %d engines", self.group_name, self.backend, addr, port, len(self.engines))
+
+    def _send(self, index: int, pieces: list[Piece], timer: SyncTimer) -> None:
+        t = time.perf_counter()
+        metas, total = layout(pieces)
+        buf = self._buffer(max(total, 1))
+        for p, m in zip(pieces, metas):
+            buf[m.offset : m.offset + m.nbytes].copy_(p.source_bytes(), non_blocking=True)
+        if buf.is_cuda:
+            torch.cuda.current_stream().synchronize()
+        t = timer.add("pack", t)
+        names = [p.name for p in pieces]
+        dtypes = [str(p.tensor.dtype).removeprefix("torch.") for p in pieces]
+        shapes = [tuple(p.tensor.shape) for p in pieces]
+        recvs = [submit(e, "update_weights_from_distributed", names, dtypes, shapes, self.group_name)
+                 for e in self.engines]
+        broadcast(self.pg, buf[: max(total, 1)])
+        t = timer.add("broadcast", t)
+        wait(recvs)
+        timer.add("engine_wait", t)
+
+    def _buffer(self, nbytes: int) -> torch.Tensor:
+        if self._buf is None or self._buf.numel() < nbytes:
+            self._buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return self._buf
+
+    def close(self) -> None:
+        if self.pg is not None:
+            try:
+                wait([submit(e, "destroy_weights_update_group", self.group_name) for e in self.engines])
+            except Exception:
+                log.exception("engines failed to leave weight update group %s", self.group_name)
+            self.pg = None
+
+
+def _address() -> str:
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except ImportError:
+        pass
+    return "127.0.0.1"
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]

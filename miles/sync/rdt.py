@@ -1,0 +1,180 @@
+"""The ``rdt`` transport: Ray Direct Transport moves each round of weights from the trainer actor to the engine actors.
+
+Use it for disaggregated engines in the same Ray cluster when NIXL is installed (zero-copy GPU->GPU reads over
+NVLink / RDMA, no collective group to set up), or colocated on one GPU through ``cuda_ipc``; ``nccl`` needs a
+collective group and ``gloo`` (CPU) exists for testing the path anywhere.
+
+How it works: the trainer owns one fixed staging bucket of ``update_weight_buffer_size`` bytes, allocated once
+outside expandable segments (VMM memory cannot be exported by CUDA IPC or registered with NIXL, which then
+falls back to a bounce path of about 0.3 GB/s) and registered / exported once at its full size, so a broken
+GPU-direct path shows at connect instead of hiding behind a small-buffer fast path. The embedded engines hold
+unsharded weights, so one bucket serves every engine (a tensor-parallel engine would get one per rank).
+Each round, views of the weights are copied into the bucket; the trainer calls *itself* through Ray with
+``tensor_transport=...`` to publish the bucket as an RDT object and passes that ObjectRef to every engine,
+whose ``update_weights_from_rdt`` receives the tensors pulled by Ray. A set larger than the bucket goes in
+sequential rounds; a group larger than the bucket is cut into pieces the engine assembles before applying
+(a fused parameter waits for all its shards); the version is set after the last pull.
+
+Actor requirements (see ``actor_options``): both sides ``enable_tensor_transport=True`` (it creates Ray's
+``_ray_system`` concurrency group, where transfers run), and the trainer ``max_concurrency >= 1 +
+gpus_per_engine``: its ``update_weights`` call holds one slot while the publishing self-calls need others.
+With ``max_concurrency=1`` the self-call waits behind ``update_weights`` forever; ``connect`` probes this and
+raises instead of hanging. Two-sided transports (gloo, nccl) also need a Ray collective group, which must be
+created in the process that owns the ObjectRefs (the trainer) and initialises torch.distributed's *default*
+group in each member: a trainer that already has one (FSDP world > 1) cannot join, so use nixl / cuda_ipc or
+the ``broadcast`` transport there.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+
+import torch
+
+from miles.config import SyncConfig
+from miles.sync.base import BucketSync, Piece, SyncTimer, fused_group, is_actor, layout, submit, wait
+from miles.sync.flat_bucket import alloc_exportable
+
+log = logging.getLogger(__name__)
+
+TWO_SIDED = ("gloo", "nccl")
+_SOURCES: dict[str, "RDTSync"] = {}  # sync id -> the sync living in this (trainer) process
+
+
+def resolve_transport(name: str, device) -> str:
+    """``auto``: nixl where it is installed (GPU), else cuda_ipc on GPU, gloo on CPU."""
+    if name != "auto":
+        return name
+    if torch.device(device).type != "cuda":
+        return "gloo"
+    try:
+        import nixl  # noqa: F401
+
+        return "nixl"
+    except ImportError:
+        return "cuda_ipc"
+
+
+def actor_options(gpus_per_engine: int = 1) -> dict:
+    """Ray actor options the trainer actor needs for the rdt transport (engines need only the first key)."""
+    return {"enable_tensor_transport": True, "max_concurrency": 1 + gpus_per_engine}
+
+
+class RDTSync(BucketSync):
+    """sync = RDTSync(cfg.sync, "cuda")          # inside the trainer actor (a Ray actor, see actor_options)
+    sync.connect([engine_actor, ...])            # bucket allocated + registered; collective group if two-sided
+    sync.update(backend.named_weights(), version=1)
+    sync.metrics()                               # bytes, rounds, seconds per phase
+    """
+
+    name = "rdt"
+    split = True
+
+    def __init__(self, cfg: SyncConfig, device, *, is_source: bool = True, group_of=fused_group, timeout_s: float = 120.0):
+        super().__init__(cfg, device, is_source=is_source, group_of=group_of)
+        self.transport = resolve_transport(cfg.rdt_transport, self.device)
+        self.timeout_s = timeout_s
+        self.sync_id = uuid.uuid4().hex
+        self.bucket: torch.Tensor | None = None
+        self.me = None
+        self.comm = None
+
+    def connect(self, engines: list) -> None:
+        super().connect(engines)
+        if not self.is_source or not self.engines:
+            return
+        import ray
+
+        self.me = _current_actor()
+        local = [e for e in self.engines if not is_actor(e)]
+        if local:
+            raise ValueError(f"the rdt transport sends to engines that are Ray actors; {local[0]!r} is not one")
+        if self.transport in TWO_SIDED:
+            self.comm = _collective_group([self.me] + self.engines, self.transport)
+        self.bucket = alloc_exportable(self.cfg.update_weight_buffer_size, self.device)
+        _probe_registration(self.bucket, self.transport)
+        _SOURCES[self.sync_id] = self
+        try:
+            ray.get(self.me.__ray_call__.remote(_ping), timeout=min(self.timeout_s, 30.0))
+        except ray.exceptions.GetTimeoutError:
+            raise RuntimeError("the rdt transport needs the trainer actor to run a second call while update_weights "
+                               "runs: create it with max_concurrency >= 1 + gpus_per_engine "
+                               "(miles.sync.rdt.actor_options())") from None
+
+    def _send(self, index: int, pieces: list[Piece], timer: SyncTimer) -> None:
+        t = time.perf_counter()
+        metas, total = layout(pieces)
+        for p, m in zip(pieces, metas):
+            self.bucket[m.offset : m.offset + m.nbytes].copy_(p.source_bytes(), non_blocking=True)
+        if self.bucket.is_cuda:
+            torch.cuda.current_stream().synchronize()
+        t = timer.add("stage", t)
+        ref = self.me.__ray_call__.options(tensor_transport=self.transport).remote(_publish, self.sync_id, total)
+        recvs = [submit(e, "update_weights_from_rdt", ref, metas) for e in self.engines]
+        wait(recvs, timeout=self.timeout_s)  # the bucket is reused next round: every engine must have pulled
+        timer.add("pull", t)
+
+    def close(self) -> None:
+        _SOURCES.pop(self.sync_id, None)
+        if self.comm is not None:
+            from ray.experimental.collective import destroy_collective_group
+
+            try:
+                destroy_collective_group(self.comm)
+            except Exception:
+                log.exception("destroying the rdt collective group failed")
+            self.comm = None
+
+
+def _publish(actor, sync_id: str, nbytes: int) -> list[torch.Tensor]:
+    """Runs on the trainer actor (through ``__ray_call__``): the staged round, as an RDT object's tensors."""
+    return [_SOURCES[sync_id].bucket[: max(nbytes, 1)]]
+
+
+def _ping(actor) -> bool:
+    return True
+
+
+def _current_actor():
+    import ray
+
+    try:
+        me = ray.get_runtime_context().current_actor
+    except RuntimeError:
+        me = None
+    if me is None:
+        raise RuntimeError("the rdt transport runs inside a Ray actor (the trainer's TrainActor): RDT objects are "
+                           "created by an actor task; use 'tensor' or 'broadcast' from a plain process")
+    return me
+
+
+def _collective_group(actors: list, transport: str):
+    import torch.distributed as dist
+    from ray.experimental.collective import create_collective_group
+
+    if dist.is_available() and dist.is_initialized():
+        raise RuntimeError(f"rdt over {transport} needs a Ray collective group, which initialises torch.distributed's "
+                           "default group in every member; this trainer process already has one (world size "
+                           f"{dist.get_world_size()}). Use sync.rdt_transport=nixl / cuda_ipc, or sync.transport=broadcast")
+    return create_collective_group(actors, backend="torch_gloo" if transport == "gloo" else "nccl",
+                                   name=f"miles-rdt-{uuid.uuid4().hex[:8]}")
+
+
+def _probe_registration(bucket: torch.Tensor, transport: str) -> None:
+    """Register / export the bucket at its real size now, so a broken path fails here, loudly."""
+    if transport == "nixl":
+        try:
+            from ray.experimental.rdt import register_nixl_memory
+        except ImportError as e:
+            raise ImportError("sync.rdt_transport=nixl needs NIXL: pip install 'miles[nixl]'") from e
+        register_nixl_memory(bucket)
+    elif transport == "cuda_ipc":
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        try:
+            reduce_tensor(bucket)
+        except RuntimeError as e:
+            raise RuntimeError(f"the {bucket.numel()}-byte rdt bucket cannot be exported through CUDA IPC ({e}); it must "
+                               "come from ordinary cudaMalloc memory (expandable_segments off)") from e

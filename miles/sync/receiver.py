@@ -1,0 +1,260 @@
+"""The engine side of every weight-sync transport: an update is a transaction that either lands whole or not at all.
+
+``begin(manifest)`` validates every name, dtype and shape before the first byte moves; pieces then arrive from
+any transport (a shared-memory / CUDA IPC bucket, a broadcast, an RDT round) and land in a shadow copy
+(``staging="shadow"``) or straight in the weights, group by group (``"direct"``); ``commit()`` swaps the shadow
+in under the engine's lock. A transport failure before the commit calls ``abort()``: with a shadow the engine
+keeps serving exactly its previous weights and version. The shadow costs one extra copy of the weights in
+engine memory for the duration of the update (it is freed at commit; in a colocated step the KV cache is
+released at that moment, so the shadow takes its place) and one extra device copy of all bytes.
+
+A group (the shards of one fused engine parameter, see ``miles.sync.base.fused_group``) is written only once
+all of its pieces have arrived, even when a fixed bucket cut it across rounds.
+
+Broadcast and RDT arrive once per engine process and are applied to every engine it holds, so their entry
+points take a list of receivers (the RolloutManager passes all its engines').
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import threading
+from collections.abc import Callable
+
+import torch
+
+from miles.sync.base import PieceMeta, WeightManifest, WeightSpec, aligned, byte_view
+
+log = logging.getLogger(__name__)
+
+
+class ReceiveError(ValueError):
+    """An update that does not fit the engine's model, or pieces outside an open update."""
+
+
+class WeightReceiver:
+    """receiver = WeightReceiver(engine._target, engine._lock)   # target(name) -> the engine's parameter
+    receiver.begin(manifest)                 # validate the whole update first
+    receiver.receive([(piece_meta, u8)])     # any number of buckets / rounds, in any transport
+    receiver.commit()                        # True: the update is in the weights (or receiver.abort())
+    """
+
+    def __init__(self, target: Callable[[str], torch.Tensor], lock: threading.RLock | None = None):
+        self.target, self.lock = target, lock or threading.RLock()
+        self.manifest: WeightManifest | None = None
+        self._specs: dict[str, WeightSpec] = {}
+        self._members: dict[str, list[str]] = {}
+        self._received: dict[str, int] = {}
+        self._landing: dict[str, torch.Tensor] = {}  # shadow (or pending group) bytes per tensor
+        self._written_groups: set[str] = set()
+        self._mutex = threading.Lock()  # an actor with max_concurrency > 1 may deliver buckets from several threads
+
+    @property
+    def is_open(self) -> bool:
+        return self.manifest is not None
+
+    def begin(self, manifest: WeightManifest) -> None:
+        if self.is_open:
+            log.warning("a weight update was still open when a new one began; aborting the old one")
+            self.abort()
+        if manifest.staging not in ("shadow", "direct"):
+            raise ReceiveError(f"staging {manifest.staging!r} is not supported; use 'shadow' or 'direct'")
+        bad = []
+        for s in manifest.specs:
+            try:
+                p = self.target(s.name)
+            except (KeyError, ValueError) as e:
+                bad.append(str(e))
+                continue
+            if str(p.dtype).removeprefix("torch.") != s.dtype or tuple(p.shape) != s.shape:
+                bad.append(f"{s.name}: sent {s.dtype} {s.shape}, the engine holds {p.dtype} {tuple(p.shape)}")
+        if bad:
+            raise ReceiveError(f"weight update rejected before any byte moved ({len(bad)} problems): {bad[:3]}")
+        self.manifest = manifest
+        self._specs = {s.name: s for s in manifest.specs}
+        self._members = {}
+        for s in manifest.specs:
+            self._members.setdefault(s.group, []).append(s.name)
+        self._received = {s.name: 0 for s in manifest.specs}
+        self._landing, self._written_groups = {}, set()
+
+    def receive(self, items: list[tuple[PieceMeta, torch.Tensor]]) -> None:
+        """Land pieces (metadata + their bytes as a flat uint8 tensor)."""
+        if not self.is_open:
+            raise ReceiveError("weight pieces arrived outside an update; call begin_weight_update(manifest) first")
+        for m, data in items:
+            s = self._specs.get(m.name)
+            if s is None:
+                raise ReceiveError(f"piece of {m.name!r}, which is not in this update's manifest")
+            if m.start < 0 or m.start + m.nbytes > s.nbytes or data.numel() != m.nbytes:
+                raise ReceiveError(f"piece of {m.name} bytes [{m.start}, {m.start + m.nbytes}) does not fit its "
+                                   f"{s.nbytes} bytes (got {data.numel()} bytes)")
+        with self._mutex:
+            if self.manifest.staging == "shadow":
+                for m, data in items:
+                    self._land(m, data)
+            else:
+                self._receive_direct(items)
+            _sync_device(items)
+
+    def commit(self) -> bool:
+        """Put a complete update into the weights; False if no update was open. Raises (and aborts) if incomplete."""
+        if not self.is_open:
+            return False
+        missing = [n for n, s in self._specs.items() if self._received[n] != s.nbytes]
+        if missing:
+            self.abort()
+            raise ReceiveError(f"weight update incomplete at commit: {len(missing)} tensors missing bytes, e.g. "
+                               f"{missing[:3]}; it was aborted and the engine keeps its previous weights")
+        if self.manifest.staging == "shadow":
+            with self.lock, torch.no_grad():
+                for name, shadow in self._landing.items():
+                    byte_view_of_param(self.target(name)).copy_(shadow)
+        self._close()
+        return True
+
+    def abort(self) -> None:
+        if self.is_open and self.manifest.staging == "direct" and self._written_groups:
+            log.warning("direct weight update aborted after %d groups were written: the engine holds a mix of "
+                        "versions until the next complete update (use sync.engine_staging='shadow' to avoid this)",
+                        len(self._written_groups))
+        self._close()
+
+    # ---- internals ------------------------------------------------------------------------------------------
+    def _land(self, m: PieceMeta, data: torch.Tensor) -> None:
+        buf = self._landing.get(m.name)
+        if buf is None:
+            p = self.target(m.name)
+            buf = self._landing[m.name] = torch.empty(self._specs[m.name].nbytes, dtype=torch.uint8, device=p.device)
+        buf[m.start : m.start + m.nbytes].copy_(data, non_blocking=True)
+        self._received[m.name] += m.nbytes
+
+    def _receive_direct(self, items: list[tuple[PieceMeta, torch.Tensor]]) -> None:
+        after = dict(self._received)
+        for m, _ in items:
+            after[m.name] += m.nbytes
+        done = {self._specs[m.name].group for m, _ in items
+                if all(after[n] == self._specs[n].nbytes for n in self._members[self._specs[m.name].group])}
+        whole_here = {g for g in done if all(self._received[n] == 0 for n in self._members[g])}
+        with self.lock, torch.no_grad():
+            for m, data in items:
+                if self._specs[m.name].group in whole_here:
+                    byte_view_of_param(self.target(m.name))[m.start : m.start + m.nbytes].copy_(data, non_blocking=True)
+                    self._received[m.name] += m.nbytes
+                else:
+                    self._land(m, data)
+            for g in done - whole_here:
+                for n in self._members[g]:
+                    byte_view_of_param(self.target(n)).copy_(self._landing.pop(n), non_blocking=True)
+        self._written_groups |= done
+
+    def _close(self) -> None:
+        self.manifest = None
+        self._specs, self._members, self._received, self._landing = {}, {}, {}, {}
+        self._written_groups = set()
+
+
+def byte_view_of_param(p: torch.Tensor) -> torch.Tensor:
+    if not p.is_contiguous():
+        raise ReceiveError(f"engine parameter of shape {tuple(p.shape)} is not contiguous; cannot write bytes into it")
+    return byte_view(p)
+
+
+def _sync_device(items) -> None:
+    if any(d.is_cuda for _, d in items):
+        torch.cuda.current_stream().synchronize()  # the sender may reuse its buffer as soon as we return
+
+
+# ---- broadcast: a private process group per (engine process, group name) ----------------------------------
+_GROUPS: dict[str, object] = {}
+_RECV_BUFFERS: dict[str, torch.Tensor] = {}
+
+
+def make_group(master_address: str, master_port: int, rank: int, world_size: int, group_name: str,
+               backend: str, timeout_s: float = 300.0):
+    """A torch.distributed process group of its own (TCPStore rendezvous), independent of any default group.
+
+    It does not touch ``torch.distributed``'s default group, so a trainer already in an FSDP world and an
+    engine process can both join it. Gloo binds to the rendezvous address (no interface guessing).
+    """
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=timeout)
+    prefixed = dist.PrefixStore(group_name, store)
+    if backend == "gloo":
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = timeout
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=master_address)]
+        pg = dist.ProcessGroupGloo(prefixed, rank, world_size, opts)
+    elif backend == "nccl":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
+    else:
+        raise ValueError(f"broadcast backend {backend!r} is not supported; use 'gloo' (CPU) or 'nccl' (CUDA)")
+    pg._miles_store = store  # the master's store must live as long as the group
+    return pg
+
+
+def broadcast(pg, tensor: torch.Tensor, root: int = 0) -> None:
+    import torch.distributed as dist
+
+    opts = dist.BroadcastOptions()
+    opts.rootRank, opts.rootTensor = root, 0
+    pg.broadcast([tensor], opts).wait()
+    if tensor.is_cuda:
+        torch.cuda.current_stream().synchronize()
+
+
+def join_group(master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str,
+               backend: str = "gloo", timeout_s: float = 300.0) -> None:
+    """Engine-process side of ``init_weights_update_group`` (this process is rank ``rank_offset``)."""
+    if group_name in _GROUPS:
+        return
+    _GROUPS[group_name] = make_group(master_address, master_port, rank_offset, world_size, group_name, backend, timeout_s)
+
+
+def leave_group(group_name: str) -> None:
+    _GROUPS.pop(group_name, None)
+    _RECV_BUFFERS.pop(group_name, None)
+
+
+def receive_broadcast(group_name: str, names: list[str], dtypes: list[str], shapes: list[tuple[int, ...]],
+                      receivers: list[WeightReceiver], device) -> None:
+    """Receive one flat bucket broadcast by rank 0 and land its tensors in every receiver."""
+    pg = _GROUPS.get(group_name)
+    if pg is None:
+        raise ReceiveError(f"no weight update group {group_name!r} in this process; call init_weights_update_group first")
+    sizes = [WeightSpec(n, d, tuple(s), n).nbytes for n, d, s in zip(names, dtypes, shapes)]
+    metas, off = [], 0
+    for n, size in zip(names, sizes):
+        metas.append(PieceMeta(n, off, size))
+        off += aligned(size)
+    buf = _RECV_BUFFERS.get(group_name)
+    if buf is None or buf.numel() < off or buf.device != torch.device(device):
+        buf = _RECV_BUFFERS[group_name] = torch.empty(max(off, 1), dtype=torch.uint8, device=device)
+    broadcast(pg, buf[: max(off, 1)])
+    items = [(m, buf[m.offset : m.offset + m.nbytes]) for m in metas]
+    for r in receivers:
+        r.receive(items)
+
+
+def receive_flat(flat: torch.Tensor, pieces: list[PieceMeta], receivers: list[WeightReceiver]) -> None:
+    """Land pieces of one flat uint8 bucket (an RDT round, an opened shared-memory / IPC bucket) in every receiver."""
+    items = [(m, flat[m.offset : m.offset + m.nbytes]) for m in pieces]
+    for r in receivers:
+        r.receive(items)
+
+
+_LAST_RDT: list = []
+
+
+def receive_rdt(tensors: list[torch.Tensor], pieces: list[PieceMeta], receivers: list[WeightReceiver]) -> None:
+    """One RDT round (``tensors == [flat uint8 bucket]``). The last round's tensors are kept: over cuda_ipc they map
+    the trainer's bucket, and holding them keeps torch's IPC mapping open for the next round and sync."""
+    if len(tensors) != 1 or tensors[0].dtype != torch.uint8:
+        raise ReceiveError(f"an RDT round is one flat uint8 bucket; got {[(t.dtype, tuple(t.shape)) for t in tensors]}")
+    receive_flat(tensors[0], pieces, receivers)
+    _LAST_RDT[:] = tensors
