@@ -42,9 +42,9 @@ SIZES = {  # a model whose bf16 weights make a sync long enough to time, trainab
 
 
 VARIANTS = {  # name -> (encoding, zstd level, zstd threads); the first is DiskDeltaConfig's default
-    "xor-l1": ("xor", 1, 0), "xor-l-1": ("xor", -1, 0), "xor-l1-2threads": ("xor", 1, 2),
-    "xor-l1-all-cores": ("xor", 1, -1),
-    "overwrite-l1": ("overwrite", 1, 0),
+    "sparse_xor-l1": ("sparse_xor", 1, 0), "xor-l1": ("xor", 1, 0), "xor-l-1": ("xor", -1, 0),
+    "overwrite-l1": ("overwrite", 1, 0), "sparse_xor-l1-2threads": ("sparse_xor", 1, 2),
+    "sparse_xor-l1-all-cores": ("sparse_xor", 1, -1),
 }
 
 

@@ -1,10 +1,12 @@
-"""Per-tensor byte deltas: XOR or overwrite (positions + new values), zstd-compressed, with a checksum.
+"""Per-tensor byte deltas: XOR, sparse XOR or overwrite (positions + new values), zstd-compressed, with a checksum.
 
-Two encodings because RL updates come in two shapes. With bf16 weights and a small learning rate most elements
-round back to the same bf16 value, so ``new ^ old`` is mostly zero bytes and zstd shrinks it to almost nothing
-(XOR). When very few elements change at all, listing them is smaller still (overwrite). Both work on raw bytes,
-so they are exact for every dtype, NaN payloads included. Encoding streams over chunks so that a tensor larger
-than a staging buffer never needs a second full-size buffer.
+RL updates of bf16 weights are sparse at the byte level: with a small learning rate most elements round back to
+the same bf16 value. ``xor``: the whole ``new ^ old`` stream, mostly zero bytes, through zstd. ``sparse_xor``: a
+bitmap of the 8-byte words that changed plus the XOR of just those words, both through zstd; it skips the
+full-size XOR pass and hands zstd a short array, so it is faster than ``xor`` and usually smaller at RL densities
+(see ``miles bench disk-delta``). ``overwrite``: positions and new values of the changed elements, smallest when
+very few change. All work on raw bytes, so they are exact for every dtype, NaN payloads included. Encoding
+streams over chunks so that a tensor larger than a staging buffer never needs a second full-size buffer.
 
     enc = TensorEncoder("xor", nbytes=old.nbytes, itemsize=2)
     for offset, chunk, scratch in chunks:    # uint8 chunks of the new bytes, offsets a multiple of 8
@@ -19,7 +21,7 @@ import numpy as np
 import xxhash
 import zstandard
 
-ENCODINGS = ("xor", "overwrite")
+ENCODINGS = ("xor", "sparse_xor", "overwrite")
 CHECKSUMS = {"xxh3_128": xxhash.xxh3_128, "xxh3_64": xxhash.xxh3_64}
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
@@ -69,6 +71,8 @@ class TensorEncoder:
         self._parts: list[bytes] = []
         self._positions: list[np.ndarray] = []
         self._values: list[np.ndarray] = []
+        self._word_masks: list[np.ndarray] = []
+        self._num_words = 0
 
     def feed(self, offset: int, new: np.ndarray, old: np.ndarray, out: np.ndarray | None = None) -> None:
         """Encode the chunk at byte ``offset``; XOR is computed into ``out`` (default: into ``new`` itself)."""
@@ -82,11 +86,41 @@ class TensorEncoder:
             if self._stream is None:
                 self._stream = self._zstd.compressobj(size=self.nbytes)
             self._parts.append(self._stream.compress(out))
+        elif self.encoding == "sparse_xor":
+            self._feed_sparse(new, old)
         else:
             new_e, old_e = _elements(new, self.itemsize), _elements(old, self.itemsize)
             changed = np.flatnonzero(new_e != old_e)
             self._positions.append(changed + offset // self.itemsize)
             self._values.append(new_e[changed])
+
+    def _feed_sparse(self, new: np.ndarray, old: np.ndarray) -> None:
+        # Only 8-byte words that changed are XORed and kept: no full-size XOR pass, and zstd sees a short array.
+        if new.size % 8:  # the tensor's last partial word, zero-padded on both sides
+            pad_new, pad_old = np.zeros(new.size // 8 * 8 + 8, np.uint8), np.zeros(new.size // 8 * 8 + 8, np.uint8)
+            pad_new[:new.size], pad_old[:old.size] = new, old
+            new, old = pad_new, pad_old
+        new_w, old_w = new.view(np.uint64), old.view(np.uint64)
+        mask = new_w != old_w
+        changed = np.flatnonzero(mask)
+        self._word_masks.append(mask)
+        self._positions.append(changed + self._num_words)
+        self._values.append(np.bitwise_xor(new_w[changed], old_w[changed]))
+        self._num_words += mask.size
+
+    def apply_in_place(self, old: np.ndarray) -> None:
+        """sparse_xor only, after ``finish``: turn ``old`` (all the tensor's old bytes) into the new bytes by
+        XORing just the changed words, so the encoder's caller needs no full-size copy of the new bytes."""
+        assert self.encoding == "sparse_xor" and old.size == self.nbytes
+        positions, words = np.concatenate(self._positions), np.concatenate(self._values)
+        body = old.size // 8
+        inside = positions < body
+        old[:body * 8].view(np.uint64)[positions[inside]] ^= words[inside]
+        if not inside.all():  # the zero-padded last partial word
+            tail = np.zeros(8, np.uint8)
+            tail[:old.size - body * 8] = old[body * 8:]
+            tail.view(np.uint64)[0] ^= words[~inside][0]
+            old[body * 8:] = tail[:old.size - body * 8]
 
     def finish(self) -> tuple[bytes, str]:
         """Returns (zstd payload, hex checksum of the new bytes)."""
@@ -94,6 +128,13 @@ class TensorEncoder:
             if self._stream is not None:
                 self._parts.append(self._stream.flush())
             return b"".join(self._parts), self._hash.hexdigest()
+        if self.encoding == "sparse_xor":
+            mask = np.concatenate(self._word_masks) if self._word_masks else np.zeros(0, bool)
+            words = np.concatenate(self._values) if self._values else np.zeros(0, np.uint64)
+            bitmap = self._zstd.compress(np.packbits(mask))
+            self._word_masks = []  # positions and words stay, for apply_in_place
+            return (np.array([len(bitmap)], np.uint64).tobytes() + bitmap + self._zstd.compress(words),
+                    self._hash.hexdigest())
         positions = np.concatenate(self._positions) if self._positions else np.zeros(0, np.int64)
         values = np.concatenate(self._values) if self._values else np.zeros(0, _UINT[self.itemsize])
         return self._zstd.compress(_pack_overwrite(positions, values, self.nbytes // self.itemsize)), self._hash.hexdigest()
@@ -117,13 +158,36 @@ def _unpack_overwrite(raw: bytes, itemsize: int) -> tuple[np.ndarray, np.ndarray
     return np.cumsum(gaps, dtype=np.uint64).astype(np.int64), values
 
 
+def _decompress(blob: bytes, limit: int) -> bytes:
+    try:
+        return zstandard.ZstdDecompressor().decompress(blob, max_output_size=limit)
+    except zstandard.ZstdError as e:
+        raise ValueError(f"payload does not decompress ({e})") from None
+
+
+def _apply_sparse(payload: bytes, old: np.ndarray) -> np.ndarray:
+    num_words = -(-old.nbytes // 8)
+    if len(payload) < 8:
+        raise ValueError(f"sparse_xor payload of {len(payload)} bytes is too short")
+    bitmap_len = int(np.frombuffer(payload, np.uint64, count=1)[0])
+    mask_bytes = _decompress(payload[8:8 + bitmap_len], -(-num_words // 8) + 64)
+    mask = np.unpackbits(np.frombuffer(mask_bytes, np.uint8), count=num_words).view(bool)
+    words = np.frombuffer(_decompress(payload[8 + bitmap_len:], num_words * 8 + 64), np.uint64)
+    if len(mask_bytes) != -(-num_words // 8) or words.size != int(mask.sum()):
+        raise ValueError(f"sparse_xor payload is malformed: {words.size} changed words for a bitmap of "
+                         f"{int(mask.sum())} set bits over {num_words} words")
+    new = np.zeros(num_words * 8, np.uint8)
+    new[:old.nbytes] = old
+    new.view(np.uint64)[mask] ^= words
+    return new[:old.nbytes]
+
+
 def apply_delta(encoding: str, payload: bytes, old: np.ndarray, itemsize: int) -> np.ndarray:
     """Return the new bytes (a fresh uint8 array; ``old`` is not modified). Raises ValueError on a payload
     that does not decompress to the right size; the caller verifies the checksum."""
-    try:
-        raw = zstandard.ZstdDecompressor().decompress(payload, max_output_size=max(old.nbytes, 1) * 8 + 64)
-    except zstandard.ZstdError as e:
-        raise ValueError(f"payload does not decompress ({e})") from None
+    if encoding == "sparse_xor":
+        return _apply_sparse(payload, old)
+    raw = _decompress(payload, max(old.nbytes, 1) * 9 + 64)
     if encoding == "xor":
         if len(raw) != old.nbytes:
             raise ValueError(f"XOR payload decompresses to {len(raw)} bytes, the tensor has {old.nbytes}")

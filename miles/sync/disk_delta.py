@@ -33,7 +33,7 @@ from miles.atomic import atomic_write_text, fsync_dir
 from miles.sync.base import call
 from miles.sync.baseline import Baseline, MissingTensorError, save_baseline, trainer_layout
 from miles.sync.collective_errors import CollectiveError, HeldError, RankError, gather_or_raise, raise_together
-from miles.sync.delta_codec import CHECKSUMS, TensorEncoder, checksum
+from miles.sync.delta_codec import CHECKSUMS, ENCODINGS, TensorEncoder, checksum
 from miles.sync.delta_version import (FORMAT, LATEST, VersionError, fsync_file, load_version, published_versions,
                                       version_dir, write_index)
 from miles.sync.safetensors_dtypes import Layout, check_layout
@@ -48,7 +48,7 @@ class DiskDeltaConfig:
     root: str  # directory shared by trainer and engines; versions appear as <root>/v00000001/
     baseline: str  # safetensors checkpoint (file or directory) the engines loaded: the first delta's base
     baseline_version: int = 0  # the engines' weight_version while they hold the baseline
-    encoding: Literal["xor", "overwrite"] = "xor"  # xor: dense-ish bf16 updates; overwrite: very sparse updates
+    encoding: Literal["xor", "sparse_xor", "overwrite"] = "sparse_xor"  # see miles.sync.delta_codec
     zstd_level: int = 1  # higher levels barely shrink XOR deltas; -1..-7 trade ratio for speed (see the bench)
     zstd_threads: int = 0  # zstd worker threads per rank (0: compress in the calling thread, -1: one per core)
     checksum: str = "xxh3_128"
@@ -61,8 +61,8 @@ class DiskDeltaConfig:
     partition: Literal["emitted", "round_robin"] = "emitted"
 
     def __post_init__(self):
-        if self.encoding not in ("xor", "overwrite"):
-            raise ValueError(f"disk_delta.encoding = {self.encoding!r} must be 'xor' or 'overwrite'")
+        if self.encoding not in ENCODINGS:
+            raise ValueError(f"disk_delta.encoding = {self.encoding!r} must be one of {ENCODINGS}")
         if self.partition not in ("emitted", "round_robin"):
             raise ValueError(f"disk_delta.partition = {self.partition!r} must be 'emitted' or 'round_robin'")
         if self.checksum not in CHECKSUMS:
@@ -86,7 +86,8 @@ class _Encoded:
     layout: Layout
     payload: bytes
     digest: str
-    new_bytes: np.ndarray  # becomes the canonical copy once the version is published
+    new_bytes: np.ndarray | None  # becomes the canonical copy once the version is published
+    encoder: TensorEncoder | None = None  # sparse_xor: patches the canonical copy in place instead
 
 
 @dataclass(slots=True)
@@ -203,14 +204,16 @@ class DiskDeltaSync:
         cfg = self.config
         encoder = TensorEncoder(cfg.encoding, nbytes=layout.nbytes, itemsize=tensor.element_size(),
                                 checksum_format=cfg.checksum, compressor=self._compressor)
-        new_bytes = np.empty(layout.nbytes, np.uint8)
+        sparse = cfg.encoding == "sparse_xor"  # keeps only changed words: no full-size copy of the new bytes
+        new_bytes = None if sparse else np.empty(layout.nbytes, np.uint8)
         for offset, chunk, scratch in self.pool.stage(tensor):
-            new_bytes[offset:offset + chunk.size] = chunk
+            if new_bytes is not None:
+                new_bytes[offset:offset + chunk.size] = chunk
             encoder.feed(offset, chunk, base.data[offset:offset + chunk.size], out=scratch)
         payload, digest = encoder.finish()
         step.emitted[name] = (_key(layout), digest)
         if digest != base.digest:
-            step.encoded[name] = _Encoded(layout, payload, digest, new_bytes)
+            step.encoded[name] = _Encoded(layout, payload, digest, new_bytes, encoder if sparse else None)
 
     def _base(self, name: str, layout: Layout) -> _Canonical:
         """The tensor's bytes at the last published version; the first time, read and validated from the baseline."""
@@ -266,7 +269,11 @@ class DiskDeltaSync:
 
     def _commit(self, step: _Step, version: int) -> None:
         for name, e in step.encoded.items():
-            self._canonical[name] = _Canonical(e.layout, e.new_bytes, e.digest)
+            if e.encoder is not None:
+                e.encoder.apply_in_place(self._canonical[name].data)
+                self._canonical[name].digest = e.digest
+            else:
+                self._canonical[name] = _Canonical(e.layout, e.new_bytes, e.digest)
         self.published_version = version
 
     # -- engine side (rank 0) -----------------------------------------------------------------------------------

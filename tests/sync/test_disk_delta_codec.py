@@ -38,7 +38,7 @@ def _sparse_bf16_update(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 DTYPES = [d for d in SAFETENSORS_DTYPE]
 
 
-@pytest.mark.parametrize("encoding", ["xor", "overwrite"])
+@pytest.mark.parametrize("encoding", ["xor", "sparse_xor", "overwrite"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_apply_of_encode_is_bit_exact_for_every_dtype(encoding, dtype):
     g = torch.Generator().manual_seed(0)
@@ -52,7 +52,7 @@ def test_apply_of_encode_is_bit_exact_for_every_dtype(encoding, dtype):
     assert np.array_equal(old_b, _bytes(old)), "apply must not modify the old bytes"
 
 
-@pytest.mark.parametrize("encoding", ["xor", "overwrite"])
+@pytest.mark.parametrize("encoding", ["xor", "sparse_xor", "overwrite"])
 @pytest.mark.parametrize("kind", ["random", "sparse"])
 def test_chunked_encoding_matches_whole_tensor_reference(encoding, kind):
     if kind == "random":
@@ -65,7 +65,7 @@ def test_chunked_encoding_matches_whole_tensor_reference(encoding, kind):
     assert np.array_equal(out, _bytes(new)) and digest == checksum(_bytes(new))
     # the naive reference: XOR of whole arrays / positions where elements differ
     new_b = _bytes(new)
-    if encoding == "xor":
+    if encoding in ("xor", "sparse_xor"):
         assert np.array_equal(np.bitwise_xor(new_b, old_b), np.bitwise_xor(out, old_b))
     else:
         changed = np.flatnonzero(new_b.view(np.uint16) != old_b.view(np.uint16))
@@ -74,27 +74,39 @@ def test_chunked_encoding_matches_whole_tensor_reference(encoding, kind):
         assert np.array_equal(ref, out)
 
 
-def test_scalar_tensors_flatten_and_round_trip():
+@pytest.mark.parametrize("encoding", ["xor", "sparse_xor", "overwrite"])
+def test_scalar_tensors_flatten_and_round_trip(encoding):
     old, new = torch.tensor(1.5), torch.tensor(2.5)
     assert byte_view(old).shape == (4,)
-    (payload, _), old_b = _encode("xor", new, old)
-    out = torch.from_numpy(apply_delta("xor", payload, old_b, 4)).view(torch.float32).reshape(())
+    (payload, _), old_b = _encode(encoding, new, old)
+    out = torch.from_numpy(apply_delta(encoding, payload, old_b, 4)).view(torch.float32).reshape(())
     assert out.shape == () and out.item() == 2.5
 
 
-def test_sparse_bf16_update_compresses_far_below_its_size():
+@pytest.mark.parametrize("encoding", ["xor", "sparse_xor", "overwrite"])
+@pytest.mark.parametrize("numel", [1, 7, 13, 29])
+def test_byte_counts_that_are_not_a_multiple_of_8_round_trip_in_small_chunks(encoding, numel):
+    g = torch.Generator().manual_seed(numel)
+    old = torch.randint(0, 256, (numel,), dtype=torch.uint8, generator=g)
+    new = old.clone()
+    new[-1] ^= 0x5A  # the change sits in the last, partial word
+    (payload, digest), old_b = _encode(encoding, new, old, buffer_bytes=8)
+    assert np.array_equal(apply_delta(encoding, payload, old_b, 1), _bytes(new)) and digest == checksum(_bytes(new))
+
+
+@pytest.mark.parametrize("encoding", ["xor", "sparse_xor", "overwrite"])
+def test_sparse_bf16_update_compresses_far_below_its_size(encoding):
     new, old = _sparse_bf16_update(1 << 16, seed=3)
-    (xor_payload, _), _ = _encode("xor", new, old)
-    (ow_payload, _), _ = _encode("overwrite", new, old)
-    assert len(xor_payload) < new.numel() * 2 / 3
-    assert len(ow_payload) < new.numel() * 2
+    (payload, _), _ = _encode(encoding, new, old)
+    assert len(payload) < new.numel() * 2 / 2.5
 
 
-def test_corrupt_payload_is_rejected():
+@pytest.mark.parametrize("encoding", ["xor", "sparse_xor", "overwrite"])
+def test_truncated_payload_is_rejected(encoding):
     new, old = _sparse_bf16_update(1000, seed=4)
-    (payload, _), old_b = _encode("xor", new, old)
-    with pytest.raises(ValueError, match="does not decompress"):
-        apply_delta("xor", payload[:-7], old_b, 2)
+    (payload, _), old_b = _encode(encoding, new, old)
+    with pytest.raises(ValueError, match="does not decompress|malformed"):
+        apply_delta(encoding, payload[:-7], old_b, 2)
 
 
 def test_dtype_table_round_trips_and_names_unsupported_dtypes():
@@ -143,3 +155,20 @@ def test_staging_pool_copies_cuda_tensors_through_pinned_buffers_like_a_host_cop
     assert all(same for _, _, same in chunks), "device chunks are staged into the scratch buffer itself"
     assert np.array_equal(np.concatenate([c for _, c, _ in chunks]), _bytes(t.cpu()))
     assert pool.num_allocated == 2
+
+
+@pytest.mark.parametrize("numel", [4, 7, 4099])
+def test_sparse_xor_in_place_patch_matches_apply_reference(numel):
+    g = torch.Generator().manual_seed(numel)
+    old = torch.randn(numel, generator=g).bfloat16()
+    new = old.clone()
+    new[::3] = torch.randn(new[::3].shape, generator=g).bfloat16()
+    new[-1] = 7.0
+    old_b = _bytes(old)
+    enc = TensorEncoder("sparse_xor", nbytes=old_b.size, itemsize=2)
+    for offset, chunk, scratch in StagingPool(num_buffers=2, buffer_bytes=64).stage(new):
+        enc.feed(offset, chunk, old_b[offset:offset + chunk.size], out=scratch)
+    payload, _ = enc.finish()
+    reference = apply_delta("sparse_xor", payload, old_b, 2)
+    enc.apply_in_place(old_b)
+    assert np.array_equal(old_b, reference) and np.array_equal(old_b, _bytes(new))

@@ -38,7 +38,7 @@ class Receiver:
 
 @pytest.fixture
 def published(tmp_path):
-    """A sync root with versions 1..3 published (encoding xor) and the baseline the engines start from."""
+    """A sync root with versions 1..3 published (default encoding) and the baseline the engines start from."""
     base = save_baseline(_weights(0), tmp_path / "base.safetensors")
     sync = DiskDeltaSync(DiskDeltaConfig(root=str(tmp_path / "w"), baseline=str(base)))
     for v in (1, 2, 3):
@@ -51,7 +51,7 @@ def test_versions_are_published_whole_with_no_temporary_leftovers(published):
     assert sorted(os.listdir(published)) == ["LATEST", "v00000001", "v00000002", "v00000003"]
     index = read_index(published, 2)
     assert (index["version"], index["base_version"], index["encoding"], index["compression"], index["checksum"]) == \
-        (2, 1, "xor", "zstd", "xxh3_128")
+        (2, 1, "sparse_xor", "zstd", "xxh3_128")
     assert "norm.weight" not in index["tensors"], "unchanged tensors are skipped"
 
 
@@ -114,7 +114,7 @@ def test_engine_behind_a_pruned_version_gets_a_clear_error(tmp_path):
         load_version(tmp_path / "w", 3, _weights(0), local_version=0)
 
 
-@pytest.mark.parametrize("encoding", ["xor", "overwrite"])
+@pytest.mark.parametrize("encoding", ["xor", "sparse_xor", "overwrite"])
 def test_sync_into_two_receivers_keeps_them_bit_equal_with_check_weights(tmp_path, encoding):
     base = save_baseline(_weights(0), tmp_path / "base.safetensors")
     engines = [Receiver(_weights(0)), Receiver(_weights(0))]
