@@ -109,9 +109,23 @@ def gb300_qwen3_235b_plan() -> RunConfig:
     return _gb300_plan("gb300_qwen3_235b_plan", "qwen3-235b-a22b", trays=8, num_engines=8, max_batch_size=64)
 
 
+def agent_swe() -> RunConfig:
+    """Agentic RL on SWE-style tasks (tiny repos with a failing test): two session-server instances over the
+    engine, a local harness, 1.5x oversampling with abort. At this size it runs end to end; it does not learn to fix bugs."""
+    d = quickstart().to_dict()
+    d.update(recipe="agent_swe", run_dir="runs/agent_swe", num_steps=4, checkpoint_every=0)
+    d["model"].update(hidden_size=64, intermediate_size=192, num_hidden_layers=2, max_position_embeddings=2048)
+    d["task"].update(name="swe")
+    d["rollout"].update(num_prompts_per_step=4, n_samples_per_prompt=4, max_new_tokens=32, max_batch_size=32, max_seq_len=2048)
+    d["trainer"].update(warmup_sft_steps=0, num_minibatches=1)
+    d["agents"].update(session_ports="8100-8101", oversample_factor=1.5, max_turns=3, max_tokens_per_turn=32,
+                       slow_test_fraction=0.2, slow_test_s=5.0)
+    return RunConfig.from_dict(d)
+
+
 RECIPES = {"quickstart": quickstart, "trl_parity": trl_parity, "h200_100m": h200_100m, "smollm2": smollm2,
            "gb300_dsv4_flash_plan": gb300_dsv4_flash_plan, "gb300_kimi_k2_plan": gb300_kimi_k2_plan,
-           "gb300_qwen3_235b_plan": gb300_qwen3_235b_plan}
+           "gb300_qwen3_235b_plan": gb300_qwen3_235b_plan, "agent_swe": agent_swe}
 
 
 def get_recipe(name: str) -> RunConfig:

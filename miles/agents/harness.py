@@ -324,9 +324,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--root", default="", help="directory for sandboxes (default: a fresh temp dir)")
+    p.add_argument("--parent-pid", type=int, default=0, help="exit (removing every sandbox) when this process is gone")
     a = p.parse_args(argv)
-    uvicorn.run(create_app(Harness(a.root or None)), host=a.host, port=a.port, log_level="warning")
+    harness = Harness(a.root or None)
+    if a.parent_pid:
+        import threading
+
+        threading.Thread(target=_exit_with_parent, args=(a.parent_pid, harness), daemon=True).start()
+    uvicorn.run(create_app(harness), host=a.host, port=a.port, log_level="warning")
     return 0
+
+
+def _exit_with_parent(pid: int, harness: Harness) -> None:
+    """A harness started for a run must not outlive it (a Ray actor can be killed without running atexit)."""
+    while True:
+        time.sleep(1.0)
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            for eid in list(harness.procs):
+                harness._kill(eid)
+            shutil.rmtree(harness.root, ignore_errors=True)
+            os._exit(0)
 
 
 if __name__ == "__main__":

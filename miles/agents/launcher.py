@@ -87,7 +87,7 @@ class AgentProcesses:
                 owner |= {port: proc for port in range(lo, hi + 1)}
             if harness_port:
                 procs.harness = procs._spawn("harness", "miles.agents.harness", "--port", str(harness_port), "--host", host,
-                                             "--root", str(procs.log_dir / "sandboxes"))
+                                             "--root", str(procs.log_dir / "sandboxes"), "--parent-pid", str(os.getpid()))
                 procs.harness_url = f"http://{host}:{harness_port}"
             for port in ports:
                 health = wait_ready(f"http://{host}:{port}", timeout_s, owner[port], procs.log_dir / "session-*.log")

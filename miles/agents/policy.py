@@ -140,8 +140,8 @@ class HttpPolicy:
         return parse_generate_response(r.json())
 
     def abort(self, rids: list[str]) -> None:
-        for rid in rids:
-            self._client.post(f"{self.url}/abort_request", json={"rid": rid})
+        if rids:
+            self._client.post(f"{self.url}/abort_request", json={"rid": list(rids)})
 
     def close(self) -> None:
         self._client.close()

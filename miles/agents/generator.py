@@ -1,0 +1,138 @@
+"""Agent episodes as an RL step's samples: the RolloutManager's engines served as session-server instances.
+
+Inside a run the engines live in the RolloutManager (they receive the weight syncs), so each session-server
+instance runs as a server thread of that process, one per port of ``agents.session_ports``, over an engine of
+the manager; the harness is a separate process (or ``agents.harness_url``). Each kept episode becomes one
+Sample: the session's exact tokens, the engine's log-probs, and the per-token mask of what the policy wrote.
+
+    gen = AgentGenerator(cfg, engines, tokenizer)       # starts the instances and the harness
+    samples, metrics, episodes = gen.generate(step)
+    gen.close()
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+from miles.agents.launcher import AgentProcesses, ThreadServer, free_port_range
+from miles.agents.policy import EmbeddedPolicy, HttpPolicy
+from miles.agents.rollout import AgentRollout
+from miles.agents.session_server import SessionServer, create_app
+from miles.config import RunConfig
+from miles.rollout.engine import EmbeddedEngine
+from miles.rollout.sample import Sample
+
+log = logging.getLogger("miles.agents")
+
+
+class AgentGenerator:
+    def __init__(self, cfg: RunConfig, engines: list, tokenizer):
+        self.cfg, self.tok = cfg, tokenizer
+        a, r = cfg.agents, cfg.rollout
+        if not a.instances:
+            raise ValueError("task.name = 'swe' needs agents.session_ports, e.g. agents.session_ports=8100-8101")
+        self.policies = [policy_for(engines[i % len(engines)]) for i in range(len(a.instances))]
+        self.servers: list[ThreadServer] = []
+        self.harness: AgentProcesses | None = None
+        try:
+            for (port, iid), policy in zip(a.instances.items(), self.policies):
+                app = create_app(SessionServer(policy, tokenizer, instance_id=iid))
+                self.servers.append(ThreadServer(app, port=port, host=a.session_host).start())
+            url = a.harness_url
+            if not url:
+                self.harness = AgentProcesses.start(ports=[], harness_port=free_port_range(1))
+                url = self.harness.harness_url
+            self.rollout = AgentRollout(a, harness_url=url, num_groups=r.num_prompts_per_step,
+                                        group_size=r.n_samples_per_prompt, temperature=r.temperature, seed=cfg.seed)
+        except BaseException:
+            self.close()
+            raise
+
+    def generate(self, step: int) -> tuple[list[Sample], dict, list[dict]]:
+        out = self.rollout.collect(step)
+        samples = [episode_sample(res, len(group) * g + i, g, self.tok)
+                   for g, group in enumerate(out.groups) for i, res in enumerate(group)]
+        failed = [f for f in out.flush if not f.ok]
+        for f in failed:
+            log.warning("step %d: flush of instance %s failed after %d attempt(s): %s", step, f.instance_id, f.attempts, f.error)
+        numeric = {k: v for k, v in out.metrics.items() if isinstance(v, (int, float))}
+        numeric |= {f"flush/{f.instance_id}/ok": float(f.ok) for f in out.flush}
+        return samples, numeric, [{"step": step, **e} for e in out.episodes]
+
+    def close(self) -> None:
+        for s in self.servers:
+            s.stop()
+        for p in self.policies:
+            p.close()
+        if self.harness is not None:
+            self.harness.stop()
+
+
+def policy_for(engine):
+    """An in-process engine gets the batching EmbeddedPolicy; an HTTP client (``.url``) gets HttpPolicy."""
+    if isinstance(engine, EmbeddedEngine):
+        return EmbeddedPolicy(engine)
+    if isinstance(getattr(engine, "url", None), str):
+        return HttpPolicy(engine.url)
+    raise ValueError(f"agent rollouts cannot reach engine {engine!r}: need an EmbeddedEngine or a client with a .url "
+                     "(with several HTTP engines behind a router, use rollout.engine=embedded or one engine per instance)")
+
+
+def episode_sample(res: dict, index: int, group: int, tok) -> Sample:
+    """One episode result -> a Sample whose tokens are the session's record (no re-tokenization)."""
+    rec = res.get("record") or {}
+    ids = rec.get("token_ids") or []
+    if not ids:  # the episode ended before its first turn: a zero-reward sample with one masked stop token
+        prompt = list(tok.apply_chat_template([{"role": "user", "content": "(no episode)"}]))
+        return Sample(index=index, group=group, prompt="", target="", prompt_ids=prompt,
+                      response_ids=[tok.stop_token_ids[0]], rollout_log_probs=[0.0], finish_reason="abort",
+                      reward=0.0, metadata={"loss_mask": [0], "status": res["status"], "error": res.get("error", "")})
+    p = rec["prompt_len"]
+    return Sample(index=index, group=group, prompt=tok.decode(ids[:p]), target="", prompt_ids=ids[:p],
+                  response_ids=ids[p:], rollout_log_probs=rec["log_probs"][p:],
+                  response_text=tok.decode(ids[p:], skip_special_tokens=False),
+                  finish_reason=(rec.get("finish_reasons") or ["stop"])[-1], reward=float(res["reward"]),
+                  weight_version=(rec.get("weight_versions") or [0])[-1],
+                  metadata={"loss_mask": rec["loss_mask"][p:], "status": res["status"], "episode_id": res["episode_id"],
+                            "num_turns": res.get("num_turns", 0), "instance_id": res.get("instance_id", "")})
+
+
+def generate_batches(manager, step: int):
+    """RolloutManager.generate for task.name = 'swe': (per-rank TrainBatches, metrics). Keeps its generator on
+    the manager; writes per-episode rows to <run_dir>/agent_episodes.jsonl."""
+    import torch
+
+    from miles.policy.advantages import group_advantages
+    from miles.train.batch import collate, shard
+
+    t0 = time.perf_counter()
+    gen = manager.__dict__.get("agent_generator")
+    if gen is None:
+        gen = manager.agent_generator = AgentGenerator(manager.cfg, manager.engines, manager.tokenizer)
+    samples, metrics, episodes = gen.generate(step)
+    r = manager.cfg.rollout
+    for s, adv in zip(samples, group_advantages([s.reward for s in samples], [s.group for s in samples],
+                                                normalize_std=r.normalize_advantages_std)):
+        s.advantage = adv
+    manager.last_samples = samples
+    _append_jsonl(Path(manager.cfg.run_dir) / "agent_episodes.jsonl", episodes)
+    rewards = torch.tensor([s.reward for s in samples])
+    resp = sum(len(s.response_ids) for s in samples)
+    metrics |= {"reward": rewards.mean().item(), "reward_std": rewards.std().item() if len(samples) > 1 else 0.0,
+                "exact": float((rewards == 1).float().mean()), "response_len": resp / len(samples), "rollout_tokens": resp,
+                "total_tokens": resp + sum(len(s.prompt_ids) for s in samples),
+                "time/generate": metrics["time/agent_rollout"], "time/rollout": time.perf_counter() - t0,
+                "weight_version": samples[0].weight_version}
+    pad = manager.tokenizer.pad_token_id
+    return [collate(part, pad) for part in shard(samples, manager.cfg.trainer.world_size)], metrics
+
+
+def _append_jsonl(path: Path, rows: list[dict]) -> None:
+    os.makedirs(path.parent, exist_ok=True)
+    with open(path, "a") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
