@@ -26,6 +26,9 @@ def _train(args) -> int:
 def _bench(args) -> int:
     import miles.bench as bench
 
+    if "--json" in args.rest:  # `miles bench NAME --json ...` as well as `miles bench --json NAME ...`
+        args.rest.remove("--json")
+        args.json = True
     out = bench.run(args.name, args.rest)
     print(json.dumps(out, indent=2, default=str) if args.json else _summary(out))
     return 0

@@ -100,10 +100,16 @@ class SyncConfig:
     update_weight_buffer_size: int = 512 << 20  # bytes per bucket
     check_weights: bool = False  # compare engine and trainer weights bit-for-bit after every sync
     disk_delta_dir: str = ""  # for transport = "disk-delta"; "" = <run_dir>/weights
+    engine_staging: Literal["shadow", "direct"] = "shadow"  # shadow: a failed sync leaves the old weights (+1 copy in engine memory)
+    rdt_transport: Literal["auto", "nixl", "cuda_ipc", "nccl", "gloo"] = "auto"  # auto: nixl if installed, else cuda_ipc on GPU, gloo on CPU
 
     def __post_init__(self):
         if self.update_weight_buffer_size < 1 << 10:
             raise ValueError(f"sync.update_weight_buffer_size = {self.update_weight_buffer_size} bytes is too small; use >= 1 KiB")
+        if self.engine_staging not in ("shadow", "direct"):
+            raise ValueError(f"sync.engine_staging = {self.engine_staging!r}; use 'shadow' (failure-safe) or 'direct' (no extra copy)")
+        if self.rdt_transport not in ("auto", "nixl", "cuda_ipc", "nccl", "gloo"):
+            raise ValueError(f"sync.rdt_transport = {self.rdt_transport!r}; use auto, nixl, cuda_ipc, nccl or gloo")
 
 
 @dataclass(kw_only=True, slots=True)

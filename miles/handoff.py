@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from miles.config import HandoffConfig
 
-TRAIN_ALL = ("params", "grads", "optimizer", "ref")
+TRAIN_ALL = ("params", "grads", "optimizer", "ref", "quant_workspace")
 ENGINE_VERBS = ("offload_kv", "offload_weights", "onload_weights", "onload_kv")
 TRAINER_VERBS = ("build", "offload", "onload", "clear_memory")
 MODES = ("cpu", "gpu")

@@ -188,9 +188,11 @@ def _decoder_sizes(cfg: RunConfig) -> Sizes:
     }
     if t.kl_coef:
         tags[("trainer", "ref")] = TagSize("trainer", "ref", params, train_pol)
-    transient = sum(params) + _activation_bytes(cfg, m.hidden_size, m.intermediate_size, m.num_hidden_layers,
-                                                m.num_attention_heads, m.num_key_value_heads * m.head_dim,
-                                                m.vocab_size, {"float32": 4}.get(m.dtype, 2))
+    act = _activation_bytes(cfg, m.hidden_size, m.intermediate_size, m.num_hidden_layers, m.num_attention_heads,
+                            m.num_key_value_heads * m.head_dim, m.vocab_size, {"float32": 4}.get(m.dtype, 2))
+    # grads (model dtype) live through the step; on top of them either the activations (forward/backward) or the
+    # foreach AdamW's one parameter-sized temporary (sqrt of the second moment) during optimizer.step
+    transient = sum(params) + max(act, sum(params))
     n = m.num_parameters
     return Sizes(tags, transient, grads_persist=False,
                  model={"name": f"embedded {m.architecture}", "parameters": n, "dtype": m.dtype, "exact": True})

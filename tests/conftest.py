@@ -39,8 +39,9 @@ def tiny_run_cfg(tmp_path, *overrides):
 def ray_session():
     import ray
 
+    from miles.cluster import start_ray
+
     if not ray.is_initialized():
-        ray.init(num_cpus=max(2, os.cpu_count() or 1), include_dashboard=False, logging_level="ERROR",
-                 runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+        start_ray(num_cpus=max(2, os.cpu_count() or 1), threads=1)
     yield ray
     ray.shutdown()

@@ -38,11 +38,16 @@ class RolloutManager:
         self.ledger = MemoryLedger()
         r = cfg.rollout
         policy = "host" if cfg.handoff.engine_host_mirror else "discard"
-        self.engines = [
-            EmbeddedEngine(cfg.model, max_batch_size=r.max_batch_size, max_seq_len=r.max_seq_len, device=device,
-                           seed=cfg.seed, ledger=self.ledger, owner=f"engine/{i}", weights_policy=policy,
-                           logprob_chunk_size=cfg.trainer.logprob_chunk_size)
-            for i in range(r.num_engines)]
+        if r.engine == "http":  # the same engines behind `miles serve` processes (a Router when num_engines > 1)
+            from miles.rollout.launch import spawn_http_engines
+
+            self.engines = spawn_http_engines(cfg, device, self.ledger)
+        else:
+            self.engines = [
+                EmbeddedEngine(cfg.model, max_batch_size=r.max_batch_size, max_seq_len=r.max_seq_len, device=device,
+                               seed=cfg.seed, ledger=self.ledger, owner=f"engine/{i}", weights_policy=policy,
+                               logprob_chunk_size=cfg.trainer.logprob_chunk_size)
+                for i in range(r.num_engines)]
         self.last_samples: list[Sample] = []
 
     # ---- rollout ------------------------------------------------------------------------------------------
@@ -163,6 +168,36 @@ class RolloutManager:
     def set_weight_version(self, version: int) -> None:
         for e in self.engines:
             e.set_weight_version(version)
+
+    # ---- weight sync receive side (miles.sync.receiver): one transfer per process, applied to every engine ----
+    def begin_weight_update(self, manifest) -> None:
+        for e in self.engines:
+            e.begin_weight_update(manifest)
+
+    def abort_weight_update(self) -> None:
+        for e in self.engines:
+            e.abort_weight_update()
+
+    def init_weights_update_group(self, master_address, master_port, rank_offset, world_size, group_name, backend="gloo"):
+        self.engines[0].init_weights_update_group(master_address, master_port, rank_offset, world_size, group_name, backend)
+
+    def update_weights_from_distributed(self, names, dtypes, shapes, group_name, version=None) -> None:
+        from miles.sync.receiver import receive_broadcast
+
+        receive_broadcast(group_name, names, dtypes, shapes, [e.weight_receiver() for e in self.engines],
+                          self.engines[0].device)
+        if version is not None:
+            self.set_weight_version(version)
+
+    def destroy_weights_update_group(self, group_name) -> None:
+        self.engines[0].destroy_weights_update_group(group_name)
+
+    def update_weights_from_rdt(self, tensors, pieces, version=None) -> None:
+        from miles.sync.receiver import receive_rdt
+
+        receive_rdt(tensors, pieces, [e.weight_receiver() for e in self.engines])
+        if version is not None:
+            self.set_weight_version(version)
 
     def named_weights(self, engine: int = 0) -> dict[str, torch.Tensor]:
         return {k: v.clone() for k, v in self.engines[engine].named_weights().items()}

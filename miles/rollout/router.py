@@ -161,6 +161,16 @@ class Router:
             self._sync_open = version is None
             self._each("update_weights_from_tensor", named, version)
 
+    def begin_weight_update(self, manifest) -> None:
+        with self._control:
+            self._sync_open = True
+            self._each("begin_weight_update", manifest)
+
+    def abort_weight_update(self) -> None:
+        with self._control:
+            self._each("abort_weight_update")
+            self._sync_open = False
+
     def update_weights_from_disk(self, path: str, version: int | None = None) -> None:
         self._each("update_weights_from_disk", path, version)
 

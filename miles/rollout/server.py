@@ -10,7 +10,8 @@ Endpoints (SGLang names): /generate, /health, /health_generate, /get_model_info,
 /update_weights_from_disk, /init_weights_update_group, /update_weights_from_distributed,
 /destroy_weights_update_group, /get_weights_by_name. miles additions: GET /miles/memory (resident bytes per
 tag), GET /miles/weights (all weights, ``torch.save`` bytes, for check_weights), POST /miles/ledger (drain the
-engine's MemoryLedger).
+engine's MemoryLedger), POST /miles/begin_weight_update ({"manifest": payload}: open a failure-safe update that
+later buckets land in and /update_weight_version commits) and POST /miles/abort_weight_update.
 
 Deliberate differences from SGLang:
 - /generate takes ``input_ids`` only (no ``text``; the server holds no tokenizer) and returns ``"text": ""``;
@@ -56,8 +57,9 @@ from fastapi.responses import JSONResponse, Response
 
 from miles.memory.ledger import process_rss_bytes
 from miles.rollout.batcher import GenerateBatcher
-from miles.rollout.engine import ENGINE_TAGS, EmbeddedEngine, EngineError, GenerateRequest, SamplingParams
-from miles.rollout.sglang_api import WireError, as_version, decode_payload, named_tensors_of, output_json, parse_generate
+from miles.rollout.engine import ENGINE_TAGS, EmbeddedEngine, GenerateRequest, SamplingParams
+from miles.rollout.sglang_api import (FLATTENED_BUCKET, WireError, bucket_handle, decode_payload, named_tensors_of,
+                                     output_json, parse_generate, weight_manifest)
 
 log = logging.getLogger("miles.serve")
 READY_PREFIX = "miles serve: listening on "
@@ -116,8 +118,6 @@ class EngineServer:
         self.batch_wait_s = batch_wait_ms / 1000
         self.batcher: GenerateBatcher | None = None
         self.paused_in_place = False
-        self._opened = None  # OpenedBuffers, created on the first bucket
-        self._group = None  # torch.distributed group of /init_weights_update_group
         self.app = FastAPI(title="miles serve", lifespan=self._lifespan)
         self._routes()
 
@@ -131,8 +131,7 @@ class EngineServer:
     def _routes(self) -> None:
         app, e = self.app, self.engine
 
-        @app.exception_handler(WireError)
-        @app.exception_handler(EngineError)
+        @app.exception_handler(ValueError)  # EngineError, WireError and the sync receiver's checks: bad input
         async def bad_request(_, exc):
             return _error(400, str(exc))
 
@@ -239,14 +238,24 @@ class EngineServer:
             if not isinstance(entries, list) or not entries or not all(isinstance(s, str) for s in entries):
                 raise WireError("serialized_named_tensors must be a non-empty list of base64 strings (one per TP rank)")
             version = _version(body.get("weight_version"))
-            fmt = body.get("load_format")
-            if fmt == "flattened_bucket" and self._opened is None:
-                from miles.sync.flat_bucket import OpenedBuffers
-
-                self._opened = OpenedBuffers()
-            named = [p for s in entries for p in named_tensors_of(decode_payload(s), fmt, self._opened)]
+            if body.get("load_format") == FLATTENED_BUCKET:  # the engine opens it (and lands it in an open update)
+                for s in entries:
+                    await asyncio.to_thread(_apply_bucket, e, bucket_handle(decode_payload(s)), version)
+                return {"success": True, "message": f"applied {len(entries)} bucket(s); weight version {e.weight_version}"}
+            named = [p for s in entries for p in named_tensors_of(decode_payload(s), body.get("load_format"))]
             await asyncio.to_thread(e.update_weights_from_tensor, named, version)
             return {"success": True, "message": f"updated {len(named)} tensors; weight version {e.weight_version}"}
+
+        @app.post("/miles/begin_weight_update")
+        async def begin_weight_update(request: Request):
+            manifest = weight_manifest(decode_payload((await _body(request)).get("manifest", "")))
+            await asyncio.to_thread(e.begin_weight_update, manifest)
+            return {"success": True, "message": f"update of {len(manifest.specs)} tensors opened"}
+
+        @app.post("/miles/abort_weight_update")
+        async def abort_weight_update():
+            await asyncio.to_thread(e.abort_weight_update)
+            return {"success": True, "message": f"update aborted; weight version stays {e.weight_version}"}
 
         @app.post("/update_weights_from_disk")
         async def update_from_disk(request: Request):
@@ -262,23 +271,28 @@ class EngineServer:
         @app.post("/init_weights_update_group")
         async def init_group(request: Request):
             body = await _body(request)
-            await asyncio.to_thread(self._init_group, body)
+            need = ("master_address", "master_port", "rank_offset", "world_size")
+            if missing := [k for k in need if k not in body]:
+                raise WireError(f"/init_weights_update_group needs {list(need)}; missing {missing}")
+            await asyncio.to_thread(e.init_weights_update_group, str(body["master_address"]), int(body["master_port"]),
+                                    int(body["rank_offset"]), int(body["world_size"]),
+                                    body.get("group_name", "weight_update_group"), body.get("backend") or "gloo")
             return {"success": True, "message": "weights update group initialised"}
 
         @app.post("/update_weights_from_distributed")
         async def update_from_distributed(request: Request):
             body = await _body(request)
-            named = await asyncio.to_thread(self._receive_broadcast, body)
-            await asyncio.to_thread(e.update_weights_from_tensor, named, _version(body.get("weight_version")))
-            return {"success": True, "message": f"received {len(named)} tensors; weight version {e.weight_version}"}
+            names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
+            if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)
+                    and len(names) == len(dtypes) == len(shapes)):
+                raise WireError("/update_weights_from_distributed needs names, dtypes and shapes: lists of equal length")
+            await asyncio.to_thread(e.update_weights_from_distributed, names, dtypes, shapes,
+                                    body.get("group_name", "weight_update_group"), _version(body.get("weight_version")))
+            return {"success": True, "message": f"received {len(names)} tensors; weight version {e.weight_version}"}
 
         @app.post("/destroy_weights_update_group")
-        async def destroy_group():
-            if self._group is not None:
-                import torch.distributed as dist
-
-                await asyncio.to_thread(dist.destroy_process_group)
-                self._group = None
+        async def destroy_group(request: Request):
+            await asyncio.to_thread(e.destroy_weights_update_group, (await _body(request)).get("group_name", "weight_update_group"))
             return {"success": True, "message": "weights update group destroyed"}
 
         @app.api_route("/get_weights_by_name", methods=["GET", "POST"])
@@ -320,38 +334,13 @@ class EngineServer:
             raise Conflict("weights are released; /resume_memory_occupation {\"tags\": [\"weights\"]} first")
         return self.engine.named_weights()
 
-    def _init_group(self, body: dict) -> None:
-        import torch.distributed as dist
 
-        need = ("master_address", "master_port", "rank_offset", "world_size")
-        missing = [k for k in need if k not in body]
-        if missing:
-            raise WireError(f"/init_weights_update_group needs {list(need)}; missing {missing}")
-        if dist.is_initialized():
-            raise Conflict("a weights update group exists; /destroy_weights_update_group first")
-        dist.init_process_group(body.get("backend") or ("nccl" if self.engine.device.type == "cuda" else "gloo"),
-                                init_method=f"tcp://{body['master_address']}:{int(body['master_port'])}",
-                                world_size=int(body["world_size"]), rank=int(body["rank_offset"]))
-        self._group = body.get("group_name", "weight_update_group")
-
-    def _receive_broadcast(self, body: dict) -> list[tuple[str, torch.Tensor]]:
-        import torch.distributed as dist
-
-        if self._group is None:
-            raise Conflict("no weights update group; /init_weights_update_group first")
-        names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
-        if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)
-                and len(names) == len(dtypes) == len(shapes)):
-            raise WireError("/update_weights_from_distributed needs names, dtypes and shapes: lists of equal length")
-        out = []
-        for name, dt, shape in zip(names, dtypes, shapes):
-            dtype = getattr(torch, str(dt).removeprefix("torch."), None)
-            if not isinstance(dtype, torch.dtype):
-                raise WireError(f"dtype {dt!r} of {name} is not a torch dtype name (e.g. 'bfloat16')")
-            t = torch.empty(shape, dtype=dtype, device=self.engine.device)
-            dist.broadcast(t, src=0)
-            out.append((name, t))
-        return out
+def _apply_bucket(engine, handle, version) -> None:
+    try:
+        engine.update_weights_from_bucket(handle, version)
+    except (OSError, RuntimeError) as err:
+        raise WireError(f"bucket {handle.key} could not be opened ({err}); flattened buckets only work between "
+                        "processes of one machine") from None
 
 
 def _asdict(x) -> dict:

@@ -152,6 +152,16 @@ class SGLangClient:
             return
         self._update_tensor(encode_payload(handle), FLATTENED_BUCKET, version)
 
+    def begin_weight_update(self, manifest) -> None:
+        """Open a failure-safe update (miles.sync.base.WeightManifest); buckets land in it, set_weight_version commits.
+        Real SGLang has no such transaction: there buckets are applied as they come."""
+        if self.flavor == "miles":
+            self._post("/miles/begin_weight_update", {"manifest": encode_payload(manifest)})
+
+    def abort_weight_update(self) -> None:
+        if self.flavor == "miles":
+            self._post("/miles/abort_weight_update")
+
     def _update_tensor(self, payload: str, load_format: str | None, version: int | None) -> None:
         body = {"serialized_named_tensors": [payload], "load_format": load_format, "flush_cache": False}
         if version is not None:

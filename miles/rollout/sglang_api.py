@@ -139,7 +139,7 @@ def as_version(v) -> int:
 
 # ---- tensor payloads ----------------------------------------------------------------------------------------
 def encode_payload(obj) -> str:
-    """base64 of ``torch.save(obj)``: a list of (name, tensor) pairs, or a BucketHandle."""
+    """base64 of ``torch.save(obj)``: a list of (name, tensor) pairs, a BucketHandle or a WeightManifest."""
     buf = io.BytesIO()
     torch.save(obj, buf)
     return base64.b64encode(buf.getvalue()).decode("ascii")
@@ -152,7 +152,9 @@ def decode_payload(s: str):
         raw = base64.b64decode(s, validate=True)
     except (ValueError, TypeError) as e:
         raise WireError(f"serialized_named_tensors entry is not base64 ({e}); send base64(torch.save(obj))") from None
-    allowed = [BucketHandle, TensorMeta, torch.Tensor, torch.UntypedStorage, torch.device]
+    from miles.sync.base import WeightManifest, WeightSpec
+
+    allowed = [BucketHandle, TensorMeta, WeightManifest, WeightSpec, torch.Tensor, torch.UntypedStorage, torch.device]
     try:
         with torch.serialization.safe_globals(allowed):
             return torch.load(io.BytesIO(raw), weights_only=True, map_location=None)
@@ -160,16 +162,22 @@ def decode_payload(s: str):
         raise WireError(f"serialized_named_tensors entry could not be decoded: {str(e)[:300]}") from None
 
 
-def named_tensors_of(obj, load_format: str | None, opened) -> list[tuple[str, torch.Tensor]]:
-    """The (name, tensor) pairs a decoded payload stands for; ``opened`` is the server's OpenedBuffers."""
-    if load_format == FLATTENED_BUCKET:
-        if not isinstance(obj, BucketHandle):
-            raise WireError(f"load_format={FLATTENED_BUCKET!r} needs a serialized BucketHandle, got {type(obj).__name__}")
-        try:
-            return opened.tensors(obj)
-        except (OSError, RuntimeError) as e:
-            raise WireError(f"bucket {obj.key} could not be opened ({e}); flattened buckets only work between processes "
-                            "of one machine") from None
+def bucket_handle(obj) -> BucketHandle:
+    if not isinstance(obj, BucketHandle):
+        raise WireError(f"load_format={FLATTENED_BUCKET!r} needs a serialized BucketHandle, got {type(obj).__name__}")
+    return obj
+
+
+def weight_manifest(obj):
+    from miles.sync.base import WeightManifest
+
+    if not isinstance(obj, WeightManifest):
+        raise WireError(f"manifest must be a serialized miles.sync.base.WeightManifest, got {type(obj).__name__}")
+    return obj
+
+
+def named_tensors_of(obj, load_format: str | None) -> list[tuple[str, torch.Tensor]]:
+    """The (name, tensor) pairs of a decoded ``load_format = null`` payload."""
     if load_format not in (None, "direct"):
         raise WireError(f"load_format = {load_format!r} is not supported; use null (named tensors) or {FLATTENED_BUCKET!r}")
     if isinstance(obj, dict):

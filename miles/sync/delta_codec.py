@@ -179,6 +179,8 @@ def _apply_sparse(payload: bytes, old: np.ndarray) -> np.ndarray:
     new = np.zeros(num_words * 8, np.uint8)
     new[:old.nbytes] = old
     new.view(np.uint64)[mask] ^= words
+    if new[old.nbytes:].any():
+        raise ValueError("sparse_xor payload is malformed: it changes padding bytes past the end of the tensor")
     return new[:old.nbytes]
 
 

@@ -23,7 +23,7 @@ from miles.policy.logprob import log_probs_and_entropy
 from miles.policy.loss import masked_mean, policy_loss
 from miles.train.batch import TrainBatch
 
-TRAIN_TAGS = ("params", "grads", "optimizer")
+TRAIN_TAGS = ("params", "grads", "optimizer", "quant_workspace")
 
 
 def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -49,6 +49,10 @@ class TorchBackend:
         self.temperature = temperature
         torch.manual_seed(seed)
         self.model = build_decoder(model_cfg, seed=seed, device=self.device)
+        if cfg.precision != "bf16":
+            from miles.quant import apply_precision
+
+            apply_precision(self.model, cfg.precision)  # before the reference copy, so both are quantized alike
         self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False) if cfg.kl_coef else None
         if world_size > 1:
             self._shard()
@@ -62,6 +66,13 @@ class TorchBackend:
         self.memory.register("optimizer", lambda: optimizer_state_tensors(self.optimizer), policy=policy)
         if self.ref_model is not None:
             self.memory.register("ref", list(self.ref_model.parameters()), policy=policy)
+        if cfg.precision != "bf16":
+            from miles.quant import quantized_workspace_tensors
+
+            self.memory.register("quant_workspace", lambda: quantized_workspace_tensors(self._models()), policy=policy)
+
+    def _models(self) -> list:
+        return [m for m in (self.model, self.ref_model) if m is not None]
 
     def _shard(self) -> None:
         from torch.distributed.fsdp import fully_shard
@@ -178,6 +189,10 @@ class TorchBackend:
         if not self.offload_enabled:
             return 0
         self.optimizer.zero_grad(set_to_none=True)
+        if self.cfg.clear_quantized_workspaces_on_offload:
+            from miles.quant import clear_quantized_workspaces
+
+            clear_quantized_workspaces(self._models())  # pure functions of the weights: rebuilt, not copied
         return self.memory.pause([t for t in tags if t in self.memory.tags], phase)
 
     def onload(self, tags=TRAIN_TAGS, phase: str = "onload_train") -> int:

@@ -185,3 +185,24 @@ def test_two_hundred_concurrent_requests_share_a_few_batches(client):
     assert sorted(o[0].rid for o in outs) == sorted(f"c{i}-0" for i in range(200))
     assert all(len(o[0].output_ids) == 4 for o in outs)
     assert client._get("/get_load").json()["batches"] - start < 50  # batched, not one forward pass per request
+
+
+def test_an_aborted_weight_update_leaves_the_served_weights_and_version_alone(cfg, client):
+    from miles.sync.base import WeightManifest, fused_group
+
+    original, version = client.named_weights(), client.weight_version
+    named = [(k, v + 1.0) for k, v in original.items()]
+    staging = StagingBuffers("cpu")
+    try:
+        client.begin_weight_update(WeightManifest.of(named, fused_group, "shadow"))
+        client.update_weights_from_bucket(staging.pack(0, named), None)  # lands in the open update only
+        client.abort_weight_update()
+        assert client.weight_version == version
+        assert all(torch.equal(client.named_weights()[k], v) for k, v in original.items())
+        client.begin_weight_update(WeightManifest.of(named, fused_group, "shadow"))
+        client.update_weights_from_bucket(staging.pack(0, named), None)
+        client.set_weight_version(version + 1)  # commits
+        assert all(torch.equal(client.named_weights()[k], v) for k, v in named)
+        client.update_weights_from_tensor(original.items(), version)
+    finally:
+        staging.close()
