@@ -26,10 +26,10 @@ def test_http_rollout_matches_the_embedded_reference(tmp_path):
             assert [s.response_ids for s in http.last_samples] == [s.response_ids for s in embedded.last_samples]
             torch.testing.assert_close(b_http.rollout_log_probs, b_emb.rollout_log_probs, atol=1e-6, rtol=0)
             assert m_http["reward"] == m_emb["reward"] and m_http["weight_version"] == step
+            named = {k: v + 0.01 * (step + 1) for k, v in embedded.named_weights().items()}  # "trained" weights
             tags = ["cuda_graph", "kv_cache", "weights"]
             assert http.offload(tags) == embedded.offload(tags) > 0  # the same bytes leave both fleets
-            assert http.onload(tags) == embedded.onload(tags) > 0
-            named = {k: v + 0.01 * (step + 1) for k, v in embedded.named_weights().items()}
+            assert http.onload(tags) == embedded.onload(tags) > 0  # weights come back empty (discarded): sync next
             for m in (embedded, http):  # what a train actor's TensorSync does: pause, buckets by handle, version
                 sync = TensorSync(http_cfg.sync, "cpu")
                 sync.connect([m])
