@@ -195,7 +195,8 @@ def _decoder_sizes(cfg: RunConfig) -> Sizes:
     transient = sum(params) + max(act, sum(params))
     n = m.num_parameters
     return Sizes(tags, transient, grads_persist=False,
-                 model={"name": f"embedded {m.architecture}", "parameters": n, "dtype": m.dtype, "exact": True})
+                 model={"name": f"embedded {m.architecture}", "parameters": n, "dtype": m.dtype,
+                        "exact": t.precision == "bf16"})  # quantized workspaces of the torch backend are not sized here
 
 
 def _activation_bytes(cfg: RunConfig, h: int, inter: int, L: int, heads: int, kv: int, vocab: int, dtype: int,

@@ -17,10 +17,13 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import time
 
 import torch
 
 PAGE = mmap.PAGESIZE
+# Time spent creating arenas (mmap + page-locking), so a benchmark can split a handoff into allocation and copy.
+STATS = {"arenas": 0, "bytes": 0, "seconds": 0.0}
 
 
 def arena_footprint(nbytes: int) -> int:
@@ -50,6 +53,7 @@ def host_arena(nbytes: int, pin: bool = False) -> torch.Tensor:
     """A uint8 tensor of exactly ``nbytes`` in its own anonymous mapping (page-locked when ``pin``)."""
     if nbytes <= 0:
         return torch.empty(0, dtype=torch.uint8)
+    t0 = time.perf_counter()
     mm = mmap.mmap(-1, arena_footprint(nbytes), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     # A ctypes array over the mapping, of a subclass whose __del__ unregisters: torch.frombuffer keeps a reference
     # to it, so it dies with the last storage; the array holds the mmap, which is unmapped right after.
@@ -60,6 +64,9 @@ def host_arena(nbytes: int, pin: bool = False) -> torch.Tensor:
         ptr = ctypes.addressof(arena)
         _check(torch.cuda.cudart().cudaHostRegister(ptr, arena_footprint(nbytes), 0), "cudaHostRegister", nbytes)
         arena.pinned_ptr = ptr
+    STATS["arenas"] += 1
+    STATS["bytes"] += nbytes
+    STATS["seconds"] += time.perf_counter() - t0
     return torch.frombuffer(arena, dtype=torch.uint8)
 
 
