@@ -59,7 +59,7 @@ def measure(procs, args: argparse.Namespace, *, step: int, mode: str) -> dict:
         rollout.close()
     m = out.metrics
     return {"mode": mode, "step": step, "wall_s": m["time/agent_rollout"], "collect_s": m["time/agent_collect"],
-            "flush_s": m["time/agent_flush"], "episodes_started": m["agent/groups_started"] * args.group_size,
+            "after_collect_s": m["time/agent_flush"], "episodes_started": m["agent/groups_started"] * args.group_size,
             "episodes_cancelled": m.get("agent/episodes_cancelled", 0) + m.get("agent/episodes_aborted", 0),
             "flush_ok": m.get("flush/ok", 0), "flush_failed": m.get("flush/failed", 0),
             "kept_slow_tests": sum(r.get("slow_s", 0) > 0 for g in out.groups for r in g),
@@ -70,7 +70,7 @@ def measure(procs, args: argparse.Namespace, *, step: int, mode: str) -> dict:
 def summarize(rows: list[dict]) -> dict:
     med = lambda mode, key: statistics.median(r[key] for r in rows if r["mode"] == mode)
     abort, collect, wait = med("abort", "wall_s"), med("abort", "collect_s"), med("wait", "wall_s")
-    out = {"abort_wall_s": abort, "abort_collect_s": collect, "abort_flush_s": med("abort", "flush_s"),
+    out = {"abort_wall_s": abort, "abort_collect_s": collect, "abort_after_collect_s": med("abort", "after_collect_s"),
            "wait_wall_s": wait, "abort_over_collect": abort / collect, "wait_over_abort": wait / abort,
            "goal_abort_within_20pct_of_collect": abort <= 1.2 * collect}
     if any(r["mode"] == "no_oversample" for r in rows):
