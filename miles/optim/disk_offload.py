@@ -9,8 +9,8 @@ drop them, so a host with less RAM than the optimizer state can still hold it.
 What RSS counts: ``VmRSS = RssAnon + RssFile + RssShmem``. A page of a shared file mapping counts in RssFile
 while it is mapped in this process's page table, dirty or clean. ``madvise(MADV_DONTNEED)`` on a shared mapping
 only removes the page-table entries (the data stays in the page cache and reaches the disk by writeback), so each
-chunk is unmapped that way as soon as it has been written or read, and RSS grows by about two chunks (the one
-being copied and the one prefetched), not by the state size. On tmpfs the pages are shmem: they can only go to
+chunk is unmapped that way as soon as it has been written or read, and RSS grows by at most about two chunks
+(the two being copied), not by the state size. On tmpfs the pages are shmem: they can only go to
 swap, which defeats the point, hence the warning.
 
 Bytes move through the chunk's fd (preadv/pwritev) by default, not through page faults on the mapping: on the
@@ -36,7 +36,7 @@ from miles.optim.offload import ChunkedOptimizerStateOffloader, HostChunk
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = _libc.msync.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 MS_SYNC = 4
-MADV_WILLNEED, MADV_DONTNEED, MADV_PAGEOUT, MADV_POPULATE_READ = 3, 4, 21, 22
+MADV_DONTNEED = 4
 PAGE = os.sysconf("SC_PAGE_SIZE")
 RAM_FILESYSTEMS = ("tmpfs", "ramfs")
 IOV_MAX = os.sysconf("SC_IOV_MAX")
@@ -164,9 +164,7 @@ class FileChunk(HostChunk):
         self._advise(MADV_DONTNEED)  # out of RSS; the dirty pages stay in the page cache until written back
 
     def prefetch(self) -> None:
-        os.posix_fadvise(self._fd, 0, self.nbytes, os.POSIX_FADV_WILLNEED)  # async readahead
-        if self._io == "mmap" and self._advise(MADV_POPULATE_READ) != 0:  # Linux < 5.14: touch each page
-            self.tensor[::PAGE].sum()
+        os.posix_fadvise(self._fd, 0, self.nbytes, os.POSIX_FADV_WILLNEED)  # asynchronous readahead
 
     def consumed(self) -> None:
         self._advise(MADV_DONTNEED)

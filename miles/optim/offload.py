@@ -55,7 +55,7 @@ class HostChunk:
         """The offload has finished writing this chunk."""
 
     def prefetch(self) -> None:
-        """This chunk is read next: start bringing its pages in (called on the worker thread)."""
+        """This chunk is read soon: start bringing its pages in, without waiting."""
 
     def consumed(self) -> None:
         """The restore has finished reading this chunk."""
@@ -294,15 +294,24 @@ class ChunkedOptimizerStateOffloader:
             chunk.written()
 
     def _copy_in(self) -> None:
+        """Chunks in pairs: the worker restores chunk i+1 while this thread restores chunk i (on a CPU device the
+        first touch of re-allocated state pages costs as much as the read, so two threads overlap both)."""
         if self._needs_staging():
             return self._copy_in_staged()
-        pending: Future | None = self._worker.submit(self.chunks[0].prefetch)
-        for i, (chunk, pieces) in enumerate(zip(self.chunks, self._plan)):
-            pending.result()
-            pending = self._worker.submit(self.chunks[i + 1].prefetch) if i + 1 < len(self.chunks) else None
-            chunk.load([p.view() for p in pieces])
-            _synchronize(pieces)
-            chunk.consumed()
+        self.chunks[0].prefetch()
+        for i in range(0, len(self.chunks), 2):
+            for chunk in self.chunks[i + 1 : i + 3]:
+                chunk.prefetch()  # asynchronous readahead hints
+            pending = self._worker.submit(self._restore_chunk, i + 1) if i + 1 < len(self.chunks) else None
+            self._restore_chunk(i)
+            if pending is not None:
+                pending.result()
+
+    def _restore_chunk(self, index: int) -> None:
+        chunk, pieces = self.chunks[index], self._plan[index]
+        chunk.load([p.view() for p in pieces])
+        _synchronize(pieces)
+        chunk.consumed()
 
     def _copy_out_staged(self) -> None:
         """Device -> pinned staging (async, copy engine) while the worker copies the previous chunk to its pages."""
