@@ -30,6 +30,7 @@ from miles.hardware import GB, GiB, HardwareProfile, get_profile
 from miles.memory.host_arena import arena_footprint, caching_allocator_footprint
 
 ALIGN = 64  # TaggedMemory's per-storage alignment inside an arena
+HOST_ALLOCATORS = ("arena", "arena_kept", "caching")
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,7 +50,7 @@ class TagSize:
         if self.policy != "host" or not self.bytes:
             return 0
         packed = sum(-(-n // ALIGN) * ALIGN for n in self.storages)
-        return arena_footprint(packed) if allocator == "arena" else caching_allocator_footprint(packed)
+        return caching_allocator_footprint(packed) if allocator == "caching" else arena_footprint(packed)
 
 
 @dataclass(slots=True)
@@ -263,6 +264,7 @@ class _State:
         self.sizes, self.allocator = sizes, allocator
         self.created = {k: not s.lazy and s.owner == "engine" for k, s in sizes.tags.items()}  # trainer: at build
         self.resident = dict.fromkeys(sizes.tags, True)
+        self.kept: dict[tuple[str, str], int] = {}  # arena_kept: every host arena ever made stays mapped
 
     def size(self, key) -> int:
         return self.sizes.tags[key].bytes if self.created[key] else 0
@@ -271,6 +273,8 @@ class _State:
         return sum(self.size(k) for k in self.sizes.tags if self.resident[k])
 
     def pool(self, pool: str, footprint: bool = False) -> int:
+        if footprint and pool == "host" and self.allocator == "arena_kept":  # released arenas stay mapped
+            return sum(self.kept.values())
         total = 0
         for k, s in self.sizes.tags.items():
             if not self.resident[k] and s.policy == pool and self.created[k]:
@@ -287,6 +291,8 @@ class _State:
             self.resident[key] = onto_device
             if self.size(key):
                 moved[tag] = self.size(key)
+                if not onto_device:
+                    self.kept[key] = max(self.kept.get(key, 0), self.sizes.tags[key].footprint(self.allocator))
         return moved
 
 
@@ -356,8 +362,9 @@ def _row(st: _State, phase: str, name: str, moved: dict, hw: HardwareProfile, rp
 def plan(cfg: RunConfig, hardware: str | HardwareProfile | None = None, *, mode: str | None = None, num_steps: int = 2,
          host_allocator: str = "arena") -> PlanReport:
     """Predict every executed step's bytes and the peaks of ``cfg`` on ``hardware`` (default cfg.handoff.hardware)."""
-    if host_allocator not in ("arena", "caching"):
-        raise ValueError(f"host_allocator = {host_allocator!r}; use 'arena' (exact, miles.memory.host_arena) or 'caching'")
+    if host_allocator not in HOST_ALLOCATORS:
+        raise ValueError(f"host_allocator = {host_allocator!r} is not one of {HOST_ALLOCATORS}: 'arena' (exact, freed at "
+                         f"resume), 'arena_kept' (host_arena.keep_pinned: mapped for the run), 'caching' (torch pinned)")
     hw = hardware if isinstance(hardware, HardwareProfile) else get_profile(hardware or cfg.handoff.hardware)
     mode = mode or cfg.handoff.colocate_memory_peak_device
     reason = ""
@@ -402,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hardware", default=None, help="gb300 | gb200 | b300 | h200 | h100 | cpu | auto (default: the recipe's)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
     p.add_argument("--mode", default="both", choices=["cpu", "gpu", "auto", "both"])
-    p.add_argument("--host-allocator", default="arena", choices=["arena", "caching"])
+    p.add_argument("--host-allocator", default="arena", choices=list(HOST_ALLOCATORS))
     p.add_argument("--steps", type=int, default=2, help="RL steps to replay after init")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)

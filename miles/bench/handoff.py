@@ -5,7 +5,8 @@ plan step the bytes moved, the copy time, the device bytes held (allocator) and 
 planner's prediction for the same config. Reported: predicted vs measured device peak (allocator, CUDA), held
 bytes per step (exact), host footprint as RSS around the trainer's offload vs the predicted arena footprint, and
 the handoff throughput of the pinned host copies against a raw copy ceiling measured in the same run (arena,
-torch's caching pinned allocator and pageable memory, 1 GiB each way).
+torch's caching pinned allocator and pageable memory, 1 GiB each way). Each mode runs with exact arenas (page-locked
+at every pause, freed at resume) and with kept arenas (page-locked once, reused; the host keeps every backup).
 
     miles bench handoff --json                          # CPU: the quickstart-sized model
     miles bench handoff --size 1b --steps 2 --json      # one GPU: a ~1B-parameter bf16 Llama-style decoder
@@ -23,7 +24,7 @@ from miles.colocated import Colocated
 from miles.config import RunConfig, apply_overrides
 from miles.handoff import HandoffPlan
 from miles.memory.host_arena import STATS as ARENA_STATS
-from miles.memory.host_arena import host_arena
+from miles.memory.host_arena import host_arena, keep_pinned
 from miles.memory.ledger import process_rss_bytes
 from miles.planner import plan as predict
 from miles.recipes import quickstart
@@ -52,8 +53,10 @@ def _device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def measure(cfg: RunConfig, steps: int) -> dict:
+def measure(cfg: RunConfig, steps: int, arenas: str = "exact") -> dict:
+    """One colocated run; ``arenas='kept'`` keeps released pinned arenas mapped for reuse (host_arena.keep_pinned)."""
     device = _device()
+    keep_pinned(arenas == "kept")
     if device == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -76,7 +79,7 @@ def measure(cfg: RunConfig, steps: int) -> dict:
     t0 = time.perf_counter()
     co.run(plan, steps)
     wall = time.perf_counter() - t0
-    rep = predict(cfg, None, num_steps=steps)
+    rep = predict(cfg, None, num_steps=steps, host_allocator="arena_kept" if arenas == "kept" else "arena")
     measured_peak = torch.cuda.max_memory_allocated() - base if device == "cuda" else None
     rows = [r for r in co.records if r.phase != "train"]
     pred_rows = [s for s in rep.steps if s.phase not in ("construct", "train")]
@@ -92,7 +95,7 @@ def measure(cfg: RunConfig, steps: int) -> dict:
     offload = [(b, a) for name, b, a in rss if name.startswith("trainer.offload")]
     footprint_pred = [p.host_node - prev.host_node for prev, p in zip(rep.steps, rep.steps[1:]) if p.step.startswith("trainer.offload")]
     out = {
-        "mode": plan.mode, "level": list(cfg.handoff.offload_rollout_level), "mirror": cfg.handoff.engine_host_mirror,
+        "arenas": arenas, "mode": plan.mode, "level": list(cfg.handoff.offload_rollout_level), "mirror": cfg.handoff.engine_host_mirror,
         "parameters": cfg.model.num_parameters, "wall_s": wall,
         "predicted_device_peak": rep.device_peak, "measured_device_peak": measured_peak,
         "device_peak_ratio": measured_peak / rep.device_peak if measured_peak else None,
@@ -113,6 +116,7 @@ def measure(cfg: RunConfig, steps: int) -> dict:
                                          if device == "cuda" else None),
     }
     del co
+    keep_pinned(False)  # unmaps every kept arena before the next run
     if device == "cuda":
         torch.cuda.empty_cache()
     return out
@@ -149,11 +153,13 @@ def run(argv: list[str]) -> dict:
     p.add_argument("--modes", default="cpu,gpu")
     p.add_argument("--levels", default="kv_cache,weight", help="';'-separated offload_rollout_level sets, e.g. 'kv_cache;kv_cache,weight'")
     p.add_argument("--mirror", default="true")
+    p.add_argument("--arenas", default="exact,kept", help="exact: freed at resume; kept: stay pinned for reuse")
     a = p.parse_args(argv)
     runs = []
-    for level in a.levels.split(";"):
-        for mode in a.modes.split(","):
-            runs.append(measure(bench_config(a.size, mode, level, a.mirror == "true"), a.steps))
+    for arenas in a.arenas.split(","):
+        for level in a.levels.split(";"):
+            for mode in a.modes.split(","):
+                runs.append(measure(bench_config(a.size, mode, level, a.mirror == "true"), a.steps, arenas))
     ceiling = copy_ceiling()
     best = max((r["handoff_GBps_bytes_weighted"] or 0) for r in runs)
     copy = max((r["copy_GBps_bytes_weighted"] or 0) for r in runs)

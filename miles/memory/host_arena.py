@@ -11,6 +11,11 @@ unregistered just before it is unmapped.
     buf = host_arena(nbytes, pin=True)          # uint8 tensor of exactly nbytes, page-locked
     buf.copy_(device_bytes, non_blocking=True)  # async D2H at link speed
     del buf                                     # unregistered, unmapped: RSS drops by arena_footprint(nbytes)
+
+Page-locking a fresh mapping costs time (the driver faults in and pins every page), paid at every pause. Where
+host RAM is plentiful (an H200 node), ``keep_pinned(True)`` keeps released arenas mapped and registered and
+hands them to the next request of the same size (each tag asks for the same size every step): the copy then
+runs at link speed, and the host holds every tag's backup for the whole run (the planner's ``arena_kept``).
 """
 
 from __future__ import annotations
@@ -24,6 +29,32 @@ import torch
 PAGE = mmap.PAGESIZE
 # Time spent creating arenas (mmap + page-locking), so a benchmark can split a handoff into allocation and copy.
 STATS = {"arenas": 0, "bytes": 0, "seconds": 0.0}
+_KEEP = {"on": False}
+_KEPT: dict[tuple[int, bool], list[tuple[mmap.mmap, int]]] = {}  # (nbytes, pinned) -> released (mapping, pinned ptr)
+
+
+def keep_pinned(on: bool) -> None:
+    """Keep released arenas mapped (and page-locked) for reuse by the next request of the same size; off frees them."""
+    _KEEP["on"] = on
+    if not on:
+        release_kept()
+
+
+def release_kept() -> int:
+    """Unregister and unmap every kept arena; returns the bytes given back."""
+    freed = 0
+    for (nbytes, _), entries in list(_KEPT.items()):
+        for mm, ptr in entries:
+            if ptr:
+                torch.cuda.cudart().cudaHostUnregister(ptr)
+            mm.close()
+            freed += arena_footprint(nbytes)
+    _KEPT.clear()
+    return freed
+
+
+def kept_bytes() -> int:
+    return sum(arena_footprint(n) * len(v) for (n, _), v in _KEPT.items())
 
 
 def arena_footprint(nbytes: int) -> int:
@@ -44,6 +75,9 @@ def _check(err, what: str, nbytes: int) -> None:
 
 
 def _release(arena) -> None:
+    if _KEEP["on"]:  # the mapping outlives this array: the kept entry holds it
+        _KEPT.setdefault((len(arena), bool(arena.pinned_ptr)), []).append((arena.mm, arena.pinned_ptr))
+        return
     if arena.pinned_ptr:
         torch.cuda.cudart().cudaHostUnregister(arena.pinned_ptr)
         arena.pinned_ptr = 0
@@ -53,13 +87,19 @@ def host_arena(nbytes: int, pin: bool = False) -> torch.Tensor:
     """A uint8 tensor of exactly ``nbytes`` in its own anonymous mapping (page-locked when ``pin``)."""
     if nbytes <= 0:
         return torch.empty(0, dtype=torch.uint8)
+    arena_type = type("HostArena", (ctypes.c_uint8 * nbytes,), {"__del__": _release})
+    kept = _KEPT.get((nbytes, pin))
+    if kept:
+        mm, ptr = kept.pop()
+        arena = arena_type.from_buffer(mm)
+        arena.mm, arena.pinned_ptr = mm, ptr
+        return torch.frombuffer(arena, dtype=torch.uint8)
     t0 = time.perf_counter()
     mm = mmap.mmap(-1, arena_footprint(nbytes), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     # A ctypes array over the mapping, of a subclass whose __del__ unregisters: torch.frombuffer keeps a reference
     # to it, so it dies with the last storage; the array holds the mmap, which is unmapped right after.
-    arena_type = type("HostArena", (ctypes.c_uint8 * nbytes,), {"__del__": _release})
     arena = arena_type.from_buffer(mm)
-    arena.pinned_ptr = 0
+    arena.mm, arena.pinned_ptr = mm, 0
     if pin:
         ptr = ctypes.addressof(arena)
         _check(torch.cuda.cudart().cudaHostRegister(ptr, arena_footprint(nbytes), 0), "cudaHostRegister", nbytes)

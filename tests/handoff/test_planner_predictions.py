@@ -93,3 +93,24 @@ def test_the_caching_allocator_model_raises_the_predicted_host_peak():
 def test_cpu_profile_reads_this_machines_memory_budget():
     hw = get_profile("cpu")
     assert hw.unified and 0 < hw.host_bytes <= hw.host_physical_bytes
+
+
+def test_kept_arenas_are_reused_by_size_and_the_planner_counts_them_for_the_whole_run():
+    from miles.memory import host_arena as ha
+
+    ha.keep_pinned(True)
+    try:
+        a = ha.host_arena(3 * 2**20 + 1)
+        a.fill_(7)
+        ptr = a.data_ptr()
+        del a
+        assert ha.kept_bytes() == ha.arena_footprint(3 * 2**20 + 1)
+        b = ha.host_arena(3 * 2**20 + 1)
+        assert b.data_ptr() == ptr and int(b[0]) == 7  # the same pages, no new mapping or page-locking
+        del b
+    finally:
+        ha.keep_pinned(False)
+    assert ha.kept_bytes() == 0
+    cfg = get_recipe("gb300_dsv4_flash_plan")
+    kept = plan(cfg, "gb300", mode="gpu", host_allocator="arena_kept")
+    assert kept.host_peak == plan(cfg, "gb300", mode="cpu").host_peak  # kept arenas undo the gpu order's saving
