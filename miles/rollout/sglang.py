@@ -176,14 +176,16 @@ class SGLangClient:
 
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
                                   group_name: str = "weight_update_group", backend: str = "gloo") -> None:
+        """Join a private torch.distributed group as rank ``rank_offset`` (blocks until every rank has joined)."""
         self._post("/init_weights_update_group", {"master_address": master_address, "master_port": master_port,
                                                   "rank_offset": rank_offset, "world_size": world_size,
                                                   "group_name": group_name, "backend": backend})
 
     def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                                        version: int | None = None, group_name: str = "weight_update_group") -> None:
-        """Receive a broadcast from rank 0 of the update group; call while rank 0 broadcasts the same tensors."""
-        body = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name, "flush_cache": False}
+                                        group_name: str = "weight_update_group", version: int | None = None) -> None:
+        """Receive one flat bucket broadcast by rank 0 of the group; call while rank 0 broadcasts it."""
+        body = {"names": names, "dtypes": dtypes, "shapes": [list(s) for s in shapes], "group_name": group_name,
+                "flush_cache": False}
         if version is not None:
             body["weight_version"] = str(version)
         self._post("/update_weights_from_distributed", body)

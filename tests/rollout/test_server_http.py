@@ -206,3 +206,31 @@ def test_an_aborted_weight_update_leaves_the_served_weights_and_version_alone(cf
         client.update_weights_from_tensor(original.items(), version)
     finally:
         staging.close()
+
+
+@pytest.mark.xfail(raises=AttributeError, strict=False,
+                   reason="miles.sync.receiver.make_group sets pg._miles_store, which ProcessGroupGloo refuses here (reported)")
+def test_update_weights_from_distributed_lands_a_broadcast_from_rank_0(client):
+    from miles.rollout.launch import free_port
+    from miles.sync.base import Piece, layout
+    from miles.sync.receiver import broadcast, make_group
+
+    original, version = client.named_weights(), client.weight_version
+    named = [(k, v * 0.5) for k, v in original.items()]
+    port = free_port()
+    t, _ = _in_background(lambda: client.init_weights_update_group("127.0.0.1", port, 1, 2, "serve-test", "gloo"))
+    pg = make_group("127.0.0.1", port, 0, 2, "serve-test", "gloo", 60.0)
+    t.join(60)
+    pieces = [Piece(n, w, 0, w.numel() * w.element_size()) for n, w in named]
+    metas, total = layout(pieces)
+    flat = torch.zeros(total, dtype=torch.uint8)
+    for p, m in zip(pieces, metas):
+        flat[m.offset : m.offset + m.nbytes].copy_(p.source_bytes())
+    t, _ = _in_background(lambda: client.update_weights_from_distributed(
+        [n for n, _ in named], [str(w.dtype).removeprefix("torch.") for _, w in named], [list(w.shape) for _, w in named],
+        "serve-test", version=41))
+    broadcast(pg, flat)
+    t.join(60)
+    assert client.weight_version == 41 and all(torch.equal(client.named_weights()[k], v) for k, v in named)
+    client.destroy_weights_update_group("serve-test")
+    client.update_weights_from_tensor(original.items(), version)
