@@ -15,6 +15,7 @@ at every pause, freed at resume) and with kept arenas (page-locked once, reused;
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import time
 
@@ -31,10 +32,10 @@ from miles.recipes import quickstart
 
 SIZES = {
     "cpu": ["model.hidden_size=256", "model.intermediate_size=768", "model.num_hidden_layers=4",
-            "model.num_attention_heads=4", "model.num_key_value_heads=2", "rollout.max_batch_size=32"],
+            "model.num_attention_heads=4", "model.num_key_value_heads=2", "model.head_dim=64", "rollout.max_batch_size=32"],
     "1b": ["model.architecture=llama", "model.attention_bias=false", "model.hidden_size=2048",
            "model.intermediate_size=5632", "model.num_hidden_layers=22", "model.num_attention_heads=16",
-           "model.num_key_value_heads=4", "model.dtype=bfloat16", "model.tie_word_embeddings=false",
+           "model.num_key_value_heads=4", "model.head_dim=128", "model.dtype=bfloat16", "model.tie_word_embeddings=false",
            "rollout.max_batch_size=64"],
 }
 
@@ -115,7 +116,9 @@ def measure(cfg: RunConfig, steps: int, arenas: str = "exact") -> dict:
         "rss_over_predicted_footprint": ([(a - b) / f for (b, a), f in zip(offload, footprint_pred) if f]
                                          if device == "cuda" else None),
     }
-    del co
+    co._call = orig  # break the co -> timed_call -> co cycle so the run's memory is freed now
+    del co, orig
+    gc.collect()
     keep_pinned(False)  # unmaps every kept arena before the next run
     if device == "cuda":
         torch.cuda.empty_cache()
