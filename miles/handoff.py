@@ -110,3 +110,10 @@ def _engine_steps(cfg: HandoffConfig) -> dict[str, Step | None]:
     if not cfg.offload_rollout:
         return dict.fromkeys(ENGINE_VERBS)
     return {v: Step("engine", v, engine_level_tags(cfg, v)) for v in ENGINE_VERBS}
+
+
+def plan(config, hardware=None, **kw):
+    """``miles.planner.plan``: this plan replayed against estimated sizes on a hardware profile (a PlanReport)."""
+    from miles.planner import plan as replay
+
+    return replay(config, hardware, **kw)
