@@ -75,14 +75,16 @@ class AgentProcesses:
 
     @classmethod
     def start(cls, *, ports: list[int], harness_port: int = 0, engine: str = "embedded", model_json: str = "",
-              max_seq_len: int = 0, seed: int = 0, host: str = "127.0.0.1", timeout_s: float = 60.0) -> "AgentProcesses":
+              max_seq_len: int = 0, seed: int = 0, host: str = "127.0.0.1", timeout_s: float = 60.0,
+              device: str = "cpu") -> "AgentProcesses":
         procs = cls(host=host, ports=list(ports))
         owner: dict[int, subprocess.Popen] = {}
         try:
             for lo, hi in _runs(ports):
                 proc = procs._spawn(
                     f"session-{lo}", "miles.agents.session_server", "--port", f"{lo}-{hi}", "--host", host,
-                    "--engine", engine, "--model-json", model_json, "--max-seq-len", str(max_seq_len), "--seed", str(seed))
+                    "--engine", engine, "--model-json", model_json, "--max-seq-len", str(max_seq_len), "--seed", str(seed),
+                    "--device", device)
                 procs.procs.append(proc)
                 owner |= {port: proc for port in range(lo, hi + 1)}
             if harness_port:
@@ -117,14 +119,11 @@ class AgentProcesses:
         _kill(self.harness, signal.SIGKILL)
 
     def stop(self) -> None:
-        for pid in self.pids.values():  # a stopped instance would not hear SIGTERM
-            try:
-                os.kill(pid, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
-        for p in [*self.procs, self.harness]:
-            if p is not None:
-                _kill(p, signal.SIGTERM)
+        """Session servers hold nothing worth a graceful exit: their process groups get SIGKILL. The harness gets
+        SIGTERM (SIGKILL after 5 s)."""
+        for p in self.procs:
+            _kill(p, signal.SIGKILL)
+        _kill(self.harness, signal.SIGTERM)
         for p in [*self.procs, self.harness]:
             if p is not None:
                 try:

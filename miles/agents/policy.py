@@ -167,14 +167,15 @@ def parse_generate_response(d: dict) -> Completion:
                       weight_version=int(meta.get("weight_version", 0) or 0))
 
 
-def make_engine(model_json: str = "", *, seed: int = 0, max_seq_len: int = 0, max_batch_size: int = 16) -> EmbeddedEngine:
+def make_engine(model_json: str = "", *, seed: int = 0, max_seq_len: int = 0, max_batch_size: int = 16,
+                device: str = "cpu") -> EmbeddedEngine:
     """An embedded engine from ModelConfig fields as JSON ("" = the default config)."""
     import json
 
     from miles.model.config import ModelConfig
 
     cfg = ModelConfig(**json.loads(model_json)) if model_json else ModelConfig()
-    return EmbeddedEngine(cfg, max_batch_size=max_batch_size, max_seq_len=max_seq_len, seed=seed)
+    return EmbeddedEngine(cfg, max_batch_size=max_batch_size, max_seq_len=max_seq_len, seed=seed, device=device)
 
 
 def make_policy(spec: str, engine: EmbeddedEngine | None = None):

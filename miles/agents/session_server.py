@@ -293,14 +293,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-seq-len", type=int, default=0)
     p.add_argument("--max-batch-size", type=int, default=16)
     p.add_argument("--threads", type=int, default=1, help="torch threads (embedded engine)")
+    p.add_argument("--device", default="cpu", help="embedded engine device (cuda: each instance builds its own)")
     a = p.parse_args(argv)
     ports = parse_ports(a.port)
     torch.set_num_threads(a.threads)
     engine = None
-    if a.engine == "embedded":  # built once, before the fork: the children share its pages copy-on-write
-        from miles.agents.policy import make_engine
-
-        engine = make_engine(a.model_json, seed=a.seed, max_seq_len=a.max_seq_len, max_batch_size=a.max_batch_size)
+    if a.engine == "embedded" and a.device == "cpu":  # built once, before the fork: children share it copy-on-write
+        engine = _engine(a)
     if len(ports) == 1:
         return _serve(a, ports[0], a.instance_id or f"agent-{ports[0]}", engine)
     children = []
@@ -315,10 +314,18 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _engine(a):
+    from miles.agents.policy import make_engine
+
+    return make_engine(a.model_json, seed=a.seed, max_seq_len=a.max_seq_len, max_batch_size=a.max_batch_size, device=a.device)
+
+
 def _serve(a, port: int, instance_id: str, engine) -> int:
     from miles.agents.policy import make_policy
     from miles.model.tokenizer import load_tokenizer
 
+    if engine is None and a.engine == "embedded":  # CUDA cannot cross a fork: build after it
+        engine = _engine(a)
     policy = make_policy(a.engine, engine)  # threads start here, after any fork
     server = SessionServer(policy, load_tokenizer(a.tokenizer), instance_id=instance_id)
     uvicorn.run(create_app(server), host=a.host, port=port, log_level="warning")
@@ -326,8 +333,8 @@ def _serve(a, port: int, instance_id: str, engine) -> int:
 
 
 def _kill_quietly(pid: int) -> None:
-    try:
-        os.kill(pid, signal.SIGTERM)
+    try:  # instances hold only ephemeral sessions: no graceful shutdown to wait for
+        os.kill(pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
 

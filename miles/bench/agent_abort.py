@@ -11,7 +11,9 @@ same step (same tasks, same slow ones) three ways, side by side:
 The goal: abort wall time within 20 % of ``collect`` (the time until the needed groups are complete).
 
     miles bench agent-abort --json
-    miles bench agent-abort --json --instances 4 --groups 8 --slow-s 20 --model-json '{"hidden_size": 256, ...}'
+    miles bench agent-abort --json --instances 4 --groups 8 --slow-s 20 --device cuda \
+        --model-json '{"hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 8, "num_attention_heads": 16,
+                       "num_key_value_heads": 4, "max_position_embeddings": 2048}' --max-seq-len 2048
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--model-json", default=json.dumps(TINY), help="ModelConfig fields for the embedded engine")
     p.add_argument("--max-seq-len", type=int, default=1024)
+    p.add_argument("--device", default="cpu", help="the session servers' engine device (cuda on a GPU node)")
     return p.parse_args(argv)
 
 
@@ -88,7 +91,8 @@ def run(argv: list[str]) -> dict:
     base = free_port_range(args.instances + 1)
     rows = []
     with AgentProcesses.start(ports=[base + i for i in range(args.instances)], harness_port=base + args.instances,
-                              model_json=args.model_json, max_seq_len=args.max_seq_len, timeout_s=300) as procs:
+                              model_json=args.model_json, max_seq_len=args.max_seq_len, timeout_s=300,
+                              device=args.device) as procs:
         measure(procs, args, step=10_000, mode="abort")  # warm-up: first-call costs in every process
         for rep in range(args.repeats):
             for mode in ("abort", "wait", "no_oversample"):
