@@ -115,7 +115,8 @@ def _sync_sequence(seq: list[dict], variant: str, work: Path, device) -> list[di
         t0 = time.perf_counter()
         engine = load_version(work / variant, step, engine, local_version=step - 1)
         steps.append({"delta_bytes": m["disk_delta/wire_bytes"], "delta_total_s": m["disk_delta/total_s"],
-                      "encode_s": m["disk_delta/encode_s"], "update_cpu_s": cpu_s,
+                      "encode_s": m["disk_delta/encode_s"], "encode_cpu_s": m["disk_delta/encode_cpu_s"],
+                      "update_cpu_s": cpu_s,
                       "apply_s": time.perf_counter() - t0, "raw_bytes": m["disk_delta/raw_bytes"]})
     assert all(torch.equal(engine[k], v) for k, v in seq[-1].items()), f"{variant}: engine copy differs from trainer"
     shutil.rmtree(work / variant, ignore_errors=True)
@@ -137,7 +138,8 @@ def _run_lr(args, cfg: ModelConfig, tokens, lr: float, device, work: Path) -> di
         out["variants"][variant] = {
             "delta_bytes": med("delta_bytes"), "bytes_ratio_full_over_delta": out["full_bytes"] / max(med("delta_bytes"), 1),
             "delta_total_s": med("delta_total_s"), "time_ratio_full_over_delta": out["full_s"] / med("delta_total_s"),
-            "encode_gbps_wall": raw / med("encode_s") / 1e9, "update_gbps_per_cpu_s": raw / med("update_cpu_s") / 1e9,
+            "encode_gbps_wall": raw / med("encode_s") / 1e9, "encode_gbps_per_cpu_s": raw / med("encode_cpu_s") / 1e9,
+            "update_gbps_per_cpu_s": raw / med("update_cpu_s") / 1e9,
             "apply_gbps_wall": raw / med("apply_s") / 1e9,
         }
     return out
