@@ -75,6 +75,7 @@ def summarize(rows: list[dict]) -> dict:
     abort, collect, wait = med("abort", "wall_s"), med("abort", "collect_s"), med("wait", "wall_s")
     out = {"abort_wall_s": abort, "abort_collect_s": collect, "abort_after_collect_s": med("abort", "after_collect_s"),
            "wait_wall_s": wait, "abort_over_collect": abort / collect, "wait_over_abort": wait / abort,
+           "abort_over_collect_per_step": [r["wall_s"] / r["collect_s"] for r in rows if r["mode"] == "abort"],
            "goal_abort_within_20pct_of_collect": abort <= 1.2 * collect}
     if any(r["mode"] == "no_oversample" for r in rows):
         out["no_oversample_wall_s"] = med("no_oversample", "wall_s")

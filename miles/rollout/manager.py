@@ -69,6 +69,10 @@ class RolloutManager:
         return samples
 
     def generate(self, step: int) -> tuple[list[TrainBatch], dict]:
+        if self.cfg.task.name == "swe":  # agent episodes: these engines behind session servers, a harness (miles.agents)
+            from miles.agents.generator import generate_batches
+
+            return generate_batches(self, step)
         t0 = time.perf_counter()
         r = self.cfg.rollout
         samples = self.make_samples(step)

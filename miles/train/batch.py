@@ -39,7 +39,8 @@ def collate(samples: list[Sample], pad_id: int) -> TrainBatch:
     for i, s in enumerate(samples):
         P, R = len(s.prompt_ids), len(s.response_ids)
         tokens[i, : P + R] = torch.tensor(s.tokens)
-        mask[i, P : P + R] = 1.0
+        agent_mask = s.metadata.get("loss_mask")  # multi-turn agent samples: 0 on template / tool tokens in the response
+        mask[i, P : P + R] = torch.tensor(agent_mask, dtype=torch.float32) if agent_mask else 1.0
         if s.rollout_log_probs:
             rlp[i, P : P + R] = torch.tensor(s.rollout_log_probs)
     adv = torch.tensor([s.advantage for s in samples], dtype=torch.float32)

@@ -33,6 +33,9 @@ def test_agent_swe_recipe_rolls_out_flushes_both_instances_and_trains_one_step(t
         mask = s.metadata["loss_mask"]
         assert len(mask) == len(s.response_ids) == len(s.rollout_log_probs) and mask[0] == 1
         assert all(lp == 0.0 for lp, m in zip(s.rollout_log_probs, mask) if not m)
+    by_index = {s.index: s for s in manager.last_samples}
+    for row, idx in enumerate(batch.sample_index):  # only what the policy sampled is trained on
+        assert batch.loss_mask[row].sum().item() == sum(by_index[idx].metadata["loss_mask"]) < len(by_index[idx].response_ids)
     rows = [json.loads(line) for line in (tmp_path / "run" / "agent_episodes.jsonl").read_text().splitlines()]
     assert len(rows) == 8 and sum(r["kept"] for r in rows) == 4 and {"num_turns", "num_malformed", "reward"} <= set(rows[0])
     out = TorchBackend(cfg.model, cfg.trainer).train_step(batch)
