@@ -51,7 +51,8 @@ class Router:
         with self._lock:
             return [i for i, a in enumerate(self.alive) if a]
 
-    def _pick(self, exclude: set[int]) -> int:
+    def _pick(self, exclude: set[int], num_requests: int = 0) -> int:
+        """The least-loaded live engine not in ``exclude``; its in-flight count grows by ``num_requests`` at once."""
         with self._lock:
             cands = [i for i, a in enumerate(self.alive) if a and i not in exclude]
             if not cands:
@@ -61,6 +62,7 @@ class Router:
             n = len(self.clients)
             i = min(cands, key=lambda c: (self.in_flight[c], (c - self._next) % n))
             self._next = (i + 1) % n
+            self.in_flight[i] += num_requests
             return i
 
     def _failed(self, i: int, err: Exception) -> None:
@@ -90,9 +92,7 @@ class Router:
     def _send(self, requests: list[GenerateRequest], seed: int | None) -> list[GenerateOutput]:
         tried: set[int] = set()
         while True:
-            i = self._pick(tried)
-            with self._lock:
-                self.in_flight[i] += len(requests)
+            i = self._pick(tried, len(requests))
             try:
                 out = self.clients[i].generate(requests, seed=seed)
                 self._succeeded(i)
@@ -107,9 +107,7 @@ class Router:
     async def agenerate(self, requests: list[GenerateRequest], *, seed: int | None = None) -> list[GenerateOutput]:
         tried: set[int] = set()
         while True:
-            i = self._pick(tried)
-            with self._lock:
-                self.in_flight[i] += len(requests)
+            i = self._pick(tried, len(requests))
             try:
                 out = await self.clients[i].agenerate(requests, seed=seed)
                 self._succeeded(i)
