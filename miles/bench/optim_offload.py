@@ -139,6 +139,7 @@ def _child(spec: dict) -> dict:
     device = torch.device(spec["device"])
     shape = tuple(int(x) for x in spec["matrix"].split("x"))
     num = max(1, (spec["param_mib"] << 20) // (shape[0] * shape[1] * 4))
+    _warm_up(spec["optimizer"], shape, device)  # lazy imports and library scratch buffers are not the state
     gen = torch.Generator(device=device).manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(shape, generator=gen, device=device)) for _ in range(num)]
     for p in params:
@@ -192,6 +193,17 @@ def _child(spec: dict) -> dict:
     if mode == "host" and device.type == "cuda":
         out["host"] = _timed_cycle(offloader, state_bytes, sync)
     return out
+
+
+def _warm_up(optimizer: str, shape: tuple[int, int], device) -> None:
+    import torch
+
+    from miles.config import TrainerConfig
+    from miles.optim import build_optimizer
+
+    p = torch.nn.Parameter(torch.zeros(shape, device=device))
+    p.grad = torch.ones_like(p)
+    build_optimizer([p], TrainerConfig(optimizer=optimizer)).step()
 
 
 def _timed_cycle(offloader, state_bytes: int, sync) -> dict:
