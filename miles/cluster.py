@@ -33,6 +33,28 @@ def start_ray(address: str = "", *, num_cpus: int | None = None, threads: int = 
                 raise
             log.warning("Ray did not start in time (%s); retrying (%d/3)", e, attempt + 2)
             ray.shutdown()
+            _kill_ray_children()
+
+
+def _kill_ray_children() -> None:
+    """Kill the Ray processes this process started (a failed start leaves its GCS server and dashboard running,
+    and on a loaded machine each orphan makes the next start slower still). Other Ray clusters are left alone."""
+    import signal
+
+    me = str(os.getpid())
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = f.read().rsplit(")", 1)[1].split()[1]
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read()
+        except OSError:
+            continue
+        if ppid == me and b"/ray/" in cmd:
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 class Cluster:

@@ -11,13 +11,13 @@ from miles.model.config import ModelConfig
 def quickstart() -> RunConfig:
     """The CPU default: a ~0.8M-parameter Qwen2-style decoder learns to reverse letters in a few minutes."""
     return RunConfig(
-        recipe="quickstart", seed=0, num_steps=40, run_dir="runs/quickstart", checkpoint_every=10, device="auto",
+        recipe="quickstart", seed=0, num_steps=100, run_dir="runs/quickstart", checkpoint_every=25, device="auto",
         model=ModelConfig(architecture="qwen2", hidden_size=128, intermediate_size=384, num_hidden_layers=4,
                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64),
         task=TaskConfig(name="reverse", min_len=3, max_len=5, alphabet="abcdef"),
         rollout=RolloutConfig(num_prompts_per_step=16, n_samples_per_prompt=8, max_new_tokens=8, temperature=1.0,
                               max_batch_size=128, max_seq_len=64),
-        trainer=TrainerConfig(lr=1e-3, warmup_sft_steps=30, warmup_sft_lr=3e-3, num_minibatches=2),
+        trainer=TrainerConfig(lr=1e-3, warmup_sft_steps=40, warmup_sft_lr=3e-3, num_minibatches=2),
         sync=SyncConfig(transport="tensor"),
         handoff=HandoffConfig(colocate_memory_peak_device="cpu", offload_train="host"),
     )
@@ -41,7 +41,7 @@ def h200_100m() -> RunConfig:
     """The quickstart loop scaled to a ~100M-parameter model on one H200 (bf16)."""
     d = quickstart().to_dict()
     d.update(recipe="h200_100m", run_dir="runs/h200_100m", num_steps=20, device="cuda")
-    d["model"].update(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
+    d["model"].update(hidden_size=768, intermediate_size=2048, num_hidden_layers=16, num_attention_heads=12,
                       num_key_value_heads=4, max_position_embeddings=256, dtype="bfloat16")
     d["rollout"].update(num_prompts_per_step=64, n_samples_per_prompt=8, max_new_tokens=16, max_batch_size=512, max_seq_len=64)
     d["trainer"].update(lr=3e-4, warmup_sft_lr=1e-3)
