@@ -6,6 +6,8 @@ run_test, submit) executed in the sandbox -> tool results back as messages. Afte
 runs once more; reward = 1 if it passes. Every episode is tagged with the instance id of its session server,
 so a flush of that instance cancels exactly its episodes, kills their test processes and removes their
 sandboxes before it returns. Every wait is bounded; a malformed call costs a turn, never a hang.
+A sandbox is a directory, not an isolation boundary: the model's edits run as this user's Python. Run the
+harness in a container or VM when the policy is not trusted.
 
     python -m miles.agents.harness --port 8090
     POST /episodes {"episodes": [EpisodeSpec fields]}   GET /results?cursor=0&wait_s=2 (long poll)

@@ -70,9 +70,17 @@ class EmbeddedPolicy:
         self.engine.abort(list(rids))
 
     def close(self) -> None:
+        """Stop the worker; calls still queued get an EngineError instead of waiting forever."""
         self._closed = True
         self._queue.put(None)
         self._worker.join(timeout=10)
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if item is not None:
+                item[1].put(EngineError("the policy was closed before this request ran"))
 
     def _run(self) -> None:
         while True:
