@@ -245,8 +245,8 @@ class EmbeddedEngine:
     def update_weights_from_disk(self, path: str, version: int | None = None) -> None:
         from miles.sync.disk_delta import load_version
 
-        local = {k: v.detach().clone() for k, v in self.named_weights().items()}
-        named = load_version(path, version, local)
+        # load_version never writes into its input and returns only the tensors that changed
+        named = load_version(path, version, self.named_weights(), local_version=self.weight_version, changed_only=True)
         self.update_weights_from_tensor(named.items(), version)
 
     def update_weights_from_bucket(self, handle, version: int | None = None) -> None:
