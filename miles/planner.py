@@ -58,6 +58,7 @@ class Sizes:
     tags: dict[tuple[str, str], TagSize]
     train_transient: int  # device bytes live only inside a train step (grads of the torch backend, activations)
     grads_persist: bool  # a megatron-style grad buffer stays allocated until clear_memory / offload
+    build_transient: int = 0  # extra device bytes while one model copy is built (the decoder starts in FP32)
     model: dict = field(default_factory=dict)  # what was sized (name, parameters, active, ...)
 
 
@@ -171,7 +172,7 @@ def _policies(cfg: RunConfig) -> tuple[str, str]:
 
 
 def _decoder_sizes(cfg: RunConfig) -> Sizes:
-    from miles.model.size import decoder_storages, kv_cache_storages
+    from miles.model.size import DTYPE_BYTES, decoder_storages, kv_cache_storages
 
     m, r, t = cfg.model, cfg.rollout, cfg.trainer
     if t.world_size != 1:
@@ -195,7 +196,8 @@ def _decoder_sizes(cfg: RunConfig) -> Sizes:
     # foreach AdamW's one parameter-sized temporary (sqrt of the second moment) during optimizer.step
     transient = sum(params) + max(act, sum(params))
     n = m.num_parameters
-    return Sizes(tags, transient, grads_persist=False,
+    fp32_first = 4 * sum(params) // DTYPE_BYTES[m.dtype] if m.dtype != "float32" else 0  # build, then .to(dtype)
+    return Sizes(tags, transient, grads_persist=False, build_transient=fp32_first,
                  model={"name": f"embedded {m.architecture}", "parameters": n, "dtype": m.dtype,
                         "exact": t.precision == "bf16"})  # quantized workspaces of the torch backend are not sized here
 
@@ -300,7 +302,8 @@ def replay(plan: HandoffPlan, sizes: Sizes, hw: HardwareProfile, ranks_per_node:
            allocator: str = "arena", sync_bucket: int = 0) -> list[PlannedStep]:
     """Every step the driver executes (init, then ``num_steps`` x rollout_to_train, train, train_to_rollout)."""
     st = _State(sizes, allocator)
-    rows = [_row(st, "construct", "engines built", {}, hw, ranks_per_node)]
+    engines = sizes.tags[("engine", "weights")].bytes // max(sizes.tags[("trainer", "params")].bytes, 1)
+    rows = [_row(st, "construct", "engines built", {}, hw, ranks_per_node, sizes.build_transient if engines else 0)]
     for s in plan.init:
         rows.append(_apply(st, "init", s, hw, ranks_per_node, sync_bucket))
     for _ in range(num_steps):
@@ -319,7 +322,7 @@ def _apply(st: _State, phase: str, s: Step, hw, rpn: int, sync_bucket: int) -> P
     elif s.verb in ("onload", "onload_kv", "onload_weights"):
         moved = st.move(s, onto_device=True)
     elif s.verb == "build":
-        moved = {}
+        moved, transient = {}, st.sizes.build_transient
         for k, t in st.sizes.tags.items():
             if t.owner == "trainer":
                 st.created[k], st.resident[k] = not t.lazy, True
