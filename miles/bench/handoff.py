@@ -81,7 +81,9 @@ def measure(cfg: RunConfig, steps: int, arenas: str = "exact") -> dict:
     co.run(plan, steps)
     wall = time.perf_counter() - t0
     rep = predict(cfg, None, num_steps=steps, host_allocator="arena_kept" if arenas == "kept" else "arena")
-    measured_peak = torch.cuda.max_memory_allocated() - base if device == "cuda" else None
+    # Colocated.train resets the peak counter per train step and keeps that step's peak on its record
+    measured_peak = (max([r.device_allocated for r in co.records] + [torch.cuda.max_memory_allocated()]) - base
+                     if device == "cuda" else None)
     rows = [r for r in co.records if r.phase != "train"]
     pred_rows = [s for s in rep.steps if s.phase not in ("construct", "train")]
     held_equal = all(r.held_device == p.device for r, p in zip(rows, pred_rows))
