@@ -8,7 +8,6 @@ offload/onload by tag, clear_memory). Tags: ``params``, ``grads``, ``optimizer``
 from __future__ import annotations
 
 import copy
-import gc
 import time
 from collections.abc import Iterator
 
@@ -199,9 +198,9 @@ class TorchBackend:
         return self.memory.resume([t for t in tags if t in self.memory.tags], phase)
 
     def clear_memory(self) -> None:
-        """Drop gradients and cached allocator blocks (nothing that needs a copy)."""
+        """Drop gradients and cached allocator blocks (nothing that needs a copy). No gc.collect(): tensors are
+        freed by reference counting, and a full collection cost ~0.8 s per step on a 2-core machine."""
         self.optimizer.zero_grad(set_to_none=True)
-        gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
