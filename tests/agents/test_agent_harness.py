@@ -135,3 +135,12 @@ def test_a_bad_episode_spec_is_a_400_that_names_the_field(stack):
     r = httpx.post(f"{h_url}/episodes", json={"episodes": [{"episode_id": "x", "instance_id": "a", "session_url": s_url,
                                                             "bogus": 1}]})
     assert r.status_code == 400 and "unknown episode field(s) ['bogus']" in r.text
+
+
+def test_an_unknown_session_id_over_http_is_a_404_in_openai_error_shape(stack):
+    _, s_url, _, _ = stack
+    r = httpx.post(f"{s_url}/sessions/nope/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
+    err = r.json()["error"]
+    assert r.status_code == 404 and err["code"] == "unknown_session" and "create one with POST /sessions" in err["message"]
+    r = httpx.post(f"{s_url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
+    assert r.status_code == 400 and "needs 'session_id' in the body" in r.json()["error"]["message"]
