@@ -292,7 +292,7 @@ class BucketSync:
             t = time.perf_counter()
             self._each("set_weight_version", version)
             timer.add("commit", t)
-        except BaseException as e:
+        except Exception as e:
             self._abort()
             raise SyncError(f"{self.name} weight update to version {version} failed ({type(e).__name__}: {e}); "
                             "the engines aborted it and keep serving their previous version") from e

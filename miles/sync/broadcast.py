@@ -39,7 +39,7 @@ class BroadcastSync(BucketSync):
         self.backend = "nccl" if self.device.type == "cuda" else "gloo"
         self.group_name = f"miles-weights-{uuid.uuid4().hex[:8]}"
         self.timeout_s = timeout_s
-        self.pg = None
+        self.group = None
         self._buf: torch.Tensor | None = None
 
     def connect(self, engines: list) -> None:
@@ -54,7 +54,7 @@ class BroadcastSync(BucketSync):
         world = 1 + len(self.engines)
         joins = [submit(e, "init_weights_update_group", addr, port, 1 + i, world, self.group_name, self.backend)
                  for i, e in enumerate(self.engines)]
-        self.pg = make_group(addr, port, 0, world, self.group_name, self.backend, self.timeout_s)
+        self.group = make_group(addr, port, 0, world, self.group_name, self.backend, self.timeout_s)
         wait(joins)
         log.info("broadcast group %s: %s at %s:%d, %d engines", self.group_name, self.backend, addr, port, len(self.engines))
 
@@ -72,7 +72,7 @@ class BroadcastSync(BucketSync):
         shapes = [tuple(p.tensor.shape) for p in pieces]
         recvs = [submit(e, "update_weights_from_distributed", names, dtypes, shapes, self.group_name)
                  for e in self.engines]
-        broadcast(self.pg, buf[: max(total, 1)])
+        broadcast(self.group, buf[: max(total, 1)])
         t = timer.add("broadcast", t)
         wait(recvs)
         timer.add("engine_wait", t)
@@ -83,12 +83,12 @@ class BroadcastSync(BucketSync):
         return self._buf
 
     def close(self) -> None:
-        if self.pg is not None:
+        if self.group is not None:
             try:
                 wait([submit(e, "destroy_weights_update_group", self.group_name) for e in self.engines])
             except Exception:
                 log.exception("engines failed to leave weight update group %s", self.group_name)
-            self.pg = None
+            self.group = None
 
 
 def _address() -> str:

@@ -91,17 +91,12 @@ class RDTSync(BucketSync):
         local = [e for e in self.engines if not is_actor(e)]
         if local:
             raise ValueError(f"the rdt transport sends to engines that are Ray actors; {local[0]!r} is not one")
+        _check_actor(self.me, min(self.timeout_s, 30.0))
         if self.transport in TWO_SIDED:
             self.comm = _collective_group([self.me] + self.engines, self.transport)
         self.bucket = alloc_exportable(self.cfg.update_weight_buffer_size, self.device)
         _probe_registration(self.bucket, self.transport)
         _SOURCES[self.sync_id] = self
-        try:
-            ray.get(self.me.__ray_call__.remote(_ping), timeout=min(self.timeout_s, 30.0))
-        except ray.exceptions.GetTimeoutError:
-            raise RuntimeError("the rdt transport needs the trainer actor to run a second call while update_weights "
-                               "runs: create it with max_concurrency >= 1 + gpus_per_engine "
-                               "(miles.sync.rdt.actor_options())") from None
 
     def _send(self, index: int, pieces: list[Piece], timer: SyncTimer) -> None:
         t = time.perf_counter()
@@ -148,6 +143,29 @@ def _current_actor():
         raise RuntimeError("the rdt transport runs inside a Ray actor (the trainer's TrainActor): RDT objects are "
                            "created by an actor task; use 'tensor' or 'broadcast' from a plain process")
     return me
+
+
+def _check_actor(me, timeout_s: float) -> None:
+    """The trainer actor must have Ray's ``_ray_system`` group (enable_tensor_transport=True), where RDT sends
+    run, and a free default slot for the publishing self-call while ``update_weights`` runs; fail fast if not."""
+    import ray
+
+    try:
+        ray.get(me.__ray_call__.options(concurrency_group="_ray_system").remote(_ping), timeout=timeout_s)
+    except (ray.exceptions.GetTimeoutError, ray.exceptions.RayError, ValueError) as e:
+        raise RuntimeError(f"the rdt transport needs the trainer actor created with enable_tensor_transport=True "
+                           f"(Ray runs transfers in its _ray_system concurrency group) ({type(e).__name__}: {e}); "
+                           "see miles.sync.rdt.actor_options()") from None
+    try:
+        ray.get(me.__ray_call__.remote(_ping), timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        raise RuntimeError("the rdt transport needs the trainer actor to run a second call while update_weights "
+                           "runs: create it with max_concurrency >= 1 + gpus_per_engine "
+                           "(miles.sync.rdt.actor_options())") from None
+    # A handle from get_runtime_context().current_actor does not carry the actor's enable_tensor_transport flag
+    # (Ray 2.60 rebuilds it from the core worker without it), so .options(tensor_transport=...) on it would be
+    # refused; the probe above showed the actor has the transport, so the flag is set on this local handle.
+    me._ray_enable_tensor_transport = True
 
 
 def _collective_group(actors: list, transport: str):

@@ -21,6 +21,7 @@ import datetime
 import logging
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -167,7 +168,7 @@ def _sync_device(items) -> None:
 
 
 # ---- broadcast: a private process group per (engine process, group name) ----------------------------------
-_GROUPS: dict[str, object] = {}
+_GROUPS: dict[str, "WeightGroup"] = {}
 _RECV_BUFFERS: dict[str, torch.Tensor] = {}
 
 
@@ -176,7 +177,8 @@ def make_group(master_address: str, master_port: int, rank: int, world_size: int
     """A torch.distributed process group of its own (TCPStore rendezvous), independent of any default group.
 
     It does not touch ``torch.distributed``'s default group, so a trainer already in an FSDP world and an
-    engine process can both join it. Gloo binds to the rendezvous address (no interface guessing).
+    engine process can both join it. Gloo binds to an explicit address of this host (the rendezvous address
+    on rank 0, this node's address elsewhere) instead of guessing an interface from the hostname.
     """
     import torch.distributed as dist
 
@@ -186,7 +188,7 @@ def make_group(master_address: str, master_port: int, rank: int, world_size: int
     if backend == "gloo":
         opts = dist.ProcessGroupGloo._Options()
         opts._timeout = timeout
-        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=master_address)]
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=master_address if rank == 0 else _local_address(master_address))]
         pg = dist.ProcessGroupGloo(prefixed, rank, world_size, opts)
     elif backend == "nccl":
         opts = dist.ProcessGroupNCCL.Options()
@@ -194,16 +196,38 @@ def make_group(master_address: str, master_port: int, rank: int, world_size: int
         pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
     else:
         raise ValueError(f"broadcast backend {backend!r} is not supported; use 'gloo' (CPU) or 'nccl' (CUDA)")
-    pg._miles_store = store  # the master's store must live as long as the group
-    return pg
+    return WeightGroup(pg, store)
 
 
-def broadcast(pg, tensor: torch.Tensor, root: int = 0) -> None:
+@dataclass(frozen=True, slots=True)
+class WeightGroup:
+    pg: object
+    store: object  # the master's TCPStore must live as long as the group
+
+
+def _local_address(master_address: str) -> str:
+    if master_address in ("127.0.0.1", "localhost", "::1"):
+        return master_address
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except ImportError:
+        pass
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:  # the interface that routes to the master
+        s.connect((master_address, 9))
+        return s.getsockname()[0]
+
+
+def broadcast(group: WeightGroup, tensor: torch.Tensor, root: int = 0) -> None:
     import torch.distributed as dist
 
     opts = dist.BroadcastOptions()
     opts.rootRank, opts.rootTensor = root, 0
-    pg.broadcast([tensor], opts).wait()
+    group.pg.broadcast([tensor], opts).wait()
     if tensor.is_cuda:
         torch.cuda.current_stream().synchronize()
 
