@@ -35,12 +35,25 @@ def read_hf_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
 
 
 def _read_gguf(path: Path) -> dict[str, torch.Tensor]:
+    """Dequantized FP32 weights of a GGUF file, cached as safetensors: dequantizing through transformers takes
+    minutes on a small CPU, and every engine and trainer process of a run reads the same file."""
+    st = path.stat()
+    cache = Path(os.environ.get("MILES_CACHE_DIR", Path.home() / ".cache" / "miles")) / "gguf"
+    cached = cache / f"{path.stem}-{st.st_size}-{int(st.st_mtime)}.safetensors"
+    if cached.exists():
+        return load_file(cached)
     try:
         from transformers import AutoModelForCausalLM
     except ImportError as e:  # pragma: no cover
         raise ImportError("loading a .gguf checkpoint needs transformers and gguf: pip install 'miles[dev]'") from e
-    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, torch_dtype=torch.float32)
-    return {k: v.detach() for k, v in hf.state_dict().items()}
+    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    sd, seen = {}, set()
+    for k, v in hf.state_dict().items():  # a tied lm_head shares the embedding's storage: keep the first name only
+        if v.data_ptr() not in seen:
+            seen.add(v.data_ptr())
+            sd[k] = v.detach().contiguous()
+    atomic_write_bytes(cached, save(sd, metadata={"format": "pt", "source": str(path)}))
+    return sd
 
 
 def load_weights(model, path: str | os.PathLike) -> None:
@@ -64,5 +77,17 @@ def config_from_checkpoint(path: str | os.PathLike, **overrides) -> ModelConfig:
         from transformers import AutoConfig
 
         hf = AutoConfig.from_pretrained(str(p.parent), gguf_file=p.name).to_dict()
-        return ModelConfig.from_hf(hf, checkpoint=str(p), **overrides)
-    return ModelConfig.from_hf(json.loads((p / "config.json").read_text()), checkpoint=str(p), **overrides)
+    else:
+        hf = json.loads((p / "config.json").read_text())
+    return ModelConfig.from_hf(_flat_rope(hf, p), checkpoint=str(p), **overrides)
+
+
+def _flat_rope(hf: dict, path: Path) -> dict:
+    """transformers >= 5 nests ``rope_theta`` in ``rope_parameters``; the decoder implements plain RoPE only."""
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind != "default":
+        raise ValueError(f"{path} uses rope_type {kind!r}; the embedded decoder implements only plain RoPE ('default')")
+    if "rope_theta" not in hf and "rope_theta" in rope:
+        hf = {**hf, "rope_theta": rope["rope_theta"]}
+    return hf
