@@ -10,7 +10,7 @@ import torch
 
 from miles.optim import DiskOptimizerStateOffloader, OptimizerOffloadSpaceError, TmpfsOffloadWarning
 from miles.optim.disk_offload import filesystem_type, prepare_offload_directory
-from tests.optim.test_optim_offload import loss_at, params_of, tiny_model, train
+from test_optim_offload import loss_at, params_of, train  # tests/optim is on sys.path (rootdir-relative import mode)
 
 
 @pytest.fixture
