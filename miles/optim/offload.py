@@ -236,6 +236,7 @@ class ChunkedOptimizerStateOffloader:
 
     def _before_load(self) -> None:
         self.restore()  # resident first, so a failed load leaves the old state intact
+        self._record("device", sum(n for _, n in self._layout), "out", "optimizer_load")  # replaced by the load
         self._release_chunks()  # the loaded tensors replace these storages; the next offload re-plans
 
     def _record(self, pool: str, nbytes: int, direction: str, phase: str) -> None:
@@ -260,6 +261,8 @@ class ChunkedOptimizerStateOffloader:
             raise
         self.chunks, self._plan, self._layout = chunks, plan, layout
         self._record(self.pool, sum(c.nbytes for c in chunks), "in", "optimizer_allocate")
+        # the state appeared on the device in a step (or a load) the ledger did not see; the offload moves it out
+        self._record("device", sum(n for _, n in layout), "in", "optimizer_allocate")
 
     def _release_chunks(self) -> None:
         if self.chunks:
