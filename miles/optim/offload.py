@@ -378,8 +378,9 @@ def _fill_staging(event: torch.cuda.Event, staging: torch.Tensor, chunk: HostChu
 
 
 def _synchronize(pieces: list[_Piece]) -> None:
-    if any(p.storage.device.type == "cuda" for p in pieces):
-        torch.cuda.current_stream().synchronize()
+    """Wait for this thread's copies (the worker thread's current device may differ from the storages')."""
+    for device in {p.storage.device for p in pieces if p.storage.device.type == "cuda"}:
+        torch.cuda.current_stream(device).synchronize()
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
