@@ -57,15 +57,17 @@ def transformer_config(mc: dict, cfg: ModelConfig, *, world_size: int):
         normalization="RMSNorm", layernorm_epsilon=cfg.rms_norm_eps, gated_linear_unit=True, activation_func=F.silu,
         add_bias_linear=False, add_qkv_bias=cfg.attention_bias, hidden_dropout=0.0, attention_dropout=0.0,
         bf16=True, params_dtype=torch.bfloat16, perform_initialization=False, use_cpu_initialization=False,
-        bias_activation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
+        attention_softmax_in_fp32=True, bias_activation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
         gradient_accumulation_fusion=False, tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
 
 
-def build_gpt(mc: dict, tcfg, cfg: ModelConfig):
-    """A GPTModel (local spec) with the HF config's shapes; weights are loaded afterwards (perform_initialization=False)."""
+def build_gpt(mc: dict, tcfg, cfg: ModelConfig, device: torch.device):
+    """A GPTModel (local spec) with the HF config's shapes, on ``device``; weights are loaded afterwards.
+
+    The local spec's torch RMSNorm is created on the CPU whatever the config says, hence the final ``.to``."""
     return mc["GPTModel"](tcfg, mc["local_spec"](normalization="RMSNorm"), vocab_size=cfg.vocab_size,
                           max_sequence_length=cfg.max_position_embeddings, position_embedding_type="rope",
-                          rotary_base=int(cfg.rope_theta), share_embeddings_and_output_weights=cfg.tie_word_embeddings)
+                          rotary_base=int(cfg.rope_theta), share_embeddings_and_output_weights=cfg.tie_word_embeddings).to(device)
 
 
 def init_parallel_state(mc: dict, world_size: int, seed: int) -> None:
@@ -125,8 +127,8 @@ class MegatronBackend(TorchBackend):
         init_parallel_state(mc, world_size, seed)
         self.tcfg = transformer_config(mc, model_cfg, world_size=world_size)
         hf = build_decoder(model_cfg, seed=seed, device=self.device).hf_state_dict()  # same weights as TorchBackend
-        policy = self._load(mc["Float16Module"](self.tcfg, build_gpt(mc, self.tcfg, model_cfg)), hf)
-        self.ref_model = self._load(mc["Float16Module"](self.tcfg, build_gpt(mc, self.tcfg, model_cfg)), hf).eval().requires_grad_(False) if cfg.kl_coef else None
+        policy = self._load(mc["Float16Module"](self.tcfg, build_gpt(mc, self.tcfg, model_cfg, self.device)), hf)
+        self.ref_model = self._load(mc["Float16Module"](self.tcfg, build_gpt(mc, self.tcfg, model_cfg, self.device)), hf).eval().requires_grad_(False) if cfg.kl_coef else None
         del hf
         ddp_cfg = mc["DDPConfig"](grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=world_size > 1)
         self.model = mc["DDP"](self.tcfg, ddp_cfg, policy)
