@@ -19,10 +19,15 @@ Actor requirements (see ``actor_options``): both sides ``enable_tensor_transport
 ``_ray_system`` concurrency group, where transfers run), and the trainer ``max_concurrency >= 1 +
 gpus_per_engine``: its ``update_weights`` call holds one slot while the publishing self-calls need others.
 With ``max_concurrency=1`` the self-call waits behind ``update_weights`` forever; ``connect`` probes this and
-raises instead of hanging. Two-sided transports (gloo, nccl) also need a Ray collective group, which must be
-created in the process that owns the ObjectRefs (the trainer) and initialises torch.distributed's *default*
-group in each member: a trainer that already has one (FSDP world > 1) cannot join, so use nixl / cuda_ipc or
-the ``broadcast`` transport there.
+raises instead of hanging (with Ray 2.60 a busy max_concurrency=1 actor runs neither the self-call nor its
+``_ray_system`` transfers: a sync then waits for Ray's 60 s RDT fetch timeout, which is how a first try timed
+out). A handle from ``get_runtime_context().current_actor`` lacks the tensor-transport flag of the actor, so
+the sync sets it on its own handle after the probe.
+
+Two-sided transports (gloo, nccl) also need a Ray collective group, which must be created in the process that
+owns the ObjectRefs (the trainer: Ray keeps the group registry per process) and which initialises
+torch.distributed's *default* group in each member: a trainer that already has one (FSDP world > 1) cannot
+join, so use nixl / cuda_ipc or the ``broadcast`` transport there.
 """
 
 from __future__ import annotations
@@ -146,25 +151,24 @@ def _current_actor():
 
 
 def _check_actor(me, timeout_s: float) -> None:
-    """The trainer actor must have Ray's ``_ray_system`` group (enable_tensor_transport=True), where RDT sends
-    run, and a free default slot for the publishing self-call while ``update_weights`` runs; fail fast if not."""
+    """Fail fast where Ray would starve the transfer: RDT sends run on the trainer actor in Ray's ``_ray_system``
+    concurrency group (created by enable_tensor_transport=True; without it they queue in the default group) and
+    the publishing self-call needs a free default slot while ``update_weights`` runs. Measured with Ray 2.60: on
+    a max_concurrency=1 actor neither runs while the actor is busy, so a sync would wait for Ray's 60 s RDT
+    timeout and kill the actors."""
     import ray
 
-    try:
-        ray.get(me.__ray_call__.options(concurrency_group="_ray_system").remote(_ping), timeout=timeout_s)
-    except (ray.exceptions.GetTimeoutError, ray.exceptions.RayError, ValueError) as e:
-        raise RuntimeError(f"the rdt transport needs the trainer actor created with enable_tensor_transport=True "
-                           f"(Ray runs transfers in its _ray_system concurrency group) ({type(e).__name__}: {e}); "
-                           "see miles.sync.rdt.actor_options()") from None
-    try:
-        ray.get(me.__ray_call__.remote(_ping), timeout=timeout_s)
-    except ray.exceptions.GetTimeoutError:
-        raise RuntimeError("the rdt transport needs the trainer actor to run a second call while update_weights "
-                           "runs: create it with max_concurrency >= 1 + gpus_per_engine "
-                           "(miles.sync.rdt.actor_options())") from None
+    for opts in ({"concurrency_group": "_ray_system"}, {}):
+        try:
+            ray.get(me.__ray_call__.options(**opts).remote(_ping), timeout=timeout_s)
+        except (ray.exceptions.GetTimeoutError, ray.exceptions.RayError, ValueError) as e:
+            raise RuntimeError(f"the rdt transport needs the trainer actor created with max_concurrency >= 1 + "
+                               f"gpus_per_engine and enable_tensor_transport=True: a call {opts or 'in the default group'} "
+                               f"did not run while the actor was busy (Ray {ray.__version__}: {type(e).__name__}); see "
+                               "miles.sync.rdt.actor_options()") from None
     # A handle from get_runtime_context().current_actor does not carry the actor's enable_tensor_transport flag
     # (Ray 2.60 rebuilds it from the core worker without it), so .options(tensor_transport=...) on it would be
-    # refused; the probe above showed the actor has the transport, so the flag is set on this local handle.
+    # refused even on an actor created with the flag; the probe above showed transfers can run, so set it here.
     me._ray_enable_tensor_transport = True
 
 

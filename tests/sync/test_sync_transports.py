@@ -134,14 +134,16 @@ def test_a_transport_failure_mid_sync_leaves_the_engine_serving_its_previous_ver
     check_weights(ray.get(trainer.named_weights.remote()), ray.get(engine.named_weights.remote()))
 
 
-def test_rdt_on_an_actor_without_a_spare_concurrency_slot_fails_fast_instead_of_hanging(actors):
+@pytest.mark.parametrize("options", [dict(enable_tensor_transport=True, max_concurrency=1),
+                                     dict(enable_tensor_transport=False, max_concurrency=1)], ids=["one-slot", "plain"])
+def test_rdt_on_a_trainer_actor_ray_would_starve_fails_fast_instead_of_hanging(actors, options):
     ray, _, engine = actors
 
     class Bare:
         def ready(self):
             return True
 
-    bare = ray.remote(Bare).options(num_cpus=0, enable_tensor_transport=True, max_concurrency=1).remote()
+    bare = ray.remote(Bare).options(num_cpus=0, **options).remote()
     err = ray.get(bare.__ray_call__.remote(_connect_rdt_in_place, [engine], 2.0))
     ray.kill(bare)
     assert "max_concurrency >= 1 + gpus_per_engine" in err
