@@ -57,12 +57,17 @@ class TorchBackend:
             self._shard()
         self.optimizer = self._build_optimizer()
         self.ledger = ledger or MemoryLedger()
+        from miles.optim import make_offloader
+
+        # with trainer.optimizer_offload set, the offloader owns the optimizer state between steps (host or NVMe)
+        self.optim_offloader = make_offloader(cfg, self.optimizer, None, rank, ledger=self.ledger)
         self.memory = TaggedMemory(f"trainer/{rank}", self.ledger, self.device, disk_dir=disk_dir)
         policy = "discard" if offload_policy == "none" else offload_policy
         self.offload_enabled = offload_policy != "none"
         self.memory.register("params", list(self.model.parameters()), policy=policy)
         self.memory.register("grads", lambda: [p.grad for p in self.model.parameters() if p.grad is not None], policy="discard")
-        self.memory.register("optimizer", lambda: optimizer_state_tensors(self.optimizer), policy=policy)
+        if self.optim_offloader is None:
+            self.memory.register("optimizer", lambda: optimizer_state_tensors(self.optimizer), policy=policy)
         if self.ref_model is not None:
             self.memory.register("ref", list(self.ref_model.parameters()), policy=policy)
         if cfg.precision != "bf16":
@@ -84,8 +89,9 @@ class TorchBackend:
             fully_shard(m)
 
     def _build_optimizer(self) -> torch.optim.Optimizer:
-        c = self.cfg
-        return torch.optim.AdamW(self.model.parameters(), lr=c.lr, betas=c.betas, weight_decay=c.weight_decay)
+        from miles.optim import build_optimizer
+
+        return build_optimizer(self.model.named_parameters(), self.cfg)
 
     # ---- math -----------------------------------------------------------------------------------------------
     def _token_log_probs(self, model, tokens_NL: torch.Tensor, with_entropy: bool = False):
@@ -141,8 +147,12 @@ class TorchBackend:
 
     def _optimizer_step(self) -> float:
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
+        if self.optim_offloader is not None:
+            self.optim_offloader.restore()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.optim_offloader is not None:
+            self.optim_offloader.offload()
         return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
     def set_lr(self, lr: float) -> None:
@@ -162,6 +172,8 @@ class TorchBackend:
             yield name, t
 
     def state_dict(self) -> dict:
+        if self.optim_offloader is not None:
+            self.optim_offloader.flush()  # msync file-backed state before a checkpoint reads it
         return {"model": {k: v.cpu().clone() for k, v in self.named_weights()},
                 "optimizer": self.optimizer.state_dict() if self.world_size == 1 else _full_optim_state(self.model, self.optimizer)}
 
