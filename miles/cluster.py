@@ -22,6 +22,7 @@ def start_ray(address: str = "", *, num_cpus: int | None = None, threads: int = 
     import ray
 
     os.environ.setdefault("RAY_agent_register_timeout_ms", "600000")
+    os.environ.setdefault("RAY_enable_metrics_collection", "0")  # no metrics agent to wait for; miles has its ledger
     for attempt in range(3):  # Ray's own wait for the node to register is a fixed 30 s; retry on a loaded machine
         try:
             ray.init(address=address or None, num_cpus=None if address else num_cpus, include_dashboard=False,

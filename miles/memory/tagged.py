@@ -79,6 +79,7 @@ class _Tag:
     paused: list[tuple[torch.UntypedStorage, int, int]] = field(default_factory=list)  # (storage, offset, nbytes)
     backup: torch.Tensor | None = None
     is_paused: bool = False
+    recorded: int = 0  # device bytes the ledger believes this tag holds
 
 
 class TaggedMemory:
@@ -104,7 +105,8 @@ class TaggedMemory:
             source = list(source)
         self.tags[tag] = _Tag(source, policy)
         if record:
-            self.ledger.record(self.owner, tag, "device", self.resident_bytes(tag), "in", phase="init")
+            self.tags[tag].recorded = self.resident_bytes(tag)
+            self.ledger.record(self.owner, tag, "device", self.tags[tag].recorded, "in", phase="init")
 
     def _tensors(self, tag: str) -> list[torch.Tensor]:
         src = self.tags[tag].source
@@ -127,6 +129,8 @@ class TaggedMemory:
                 continue
             storages = unique_storages(self._tensors(name))
             total = sum(s.nbytes() for s in storages)
+            if total != tag.recorded:  # allocated (or freed) since the last move, e.g. optimizer state after step 1
+                self.ledger.record(self.owner, name, "device", abs(total - tag.recorded), "in" if total > tag.recorded else "out", "alloc")
             offsets = _aligned_offsets([s.nbytes() for s in storages])
             if tag.policy != "discard" and total:
                 tag.backup = self._allocate_backup(name, tag.policy, offsets[-1])
@@ -139,7 +143,7 @@ class TaggedMemory:
                 torch.cuda.synchronize(self.device)
             for s, _, _ in tag.paused:
                 s.resize_(0)
-            tag.is_paused = True
+            tag.is_paused, tag.recorded = True, 0
             pool = {"host": "host", "disk": "disk"}.get(tag.policy)
             self.ledger.record(self.owner, name, "device", total, "out", phase)
             if pool:
@@ -167,7 +171,7 @@ class TaggedMemory:
             if pool:
                 self.ledger.record(self.owner, name, pool, total, "out", phase)
             self.ledger.record(self.owner, name, "device", total, "in", phase)
-            tag.paused, tag.backup, tag.is_paused = [], None, False
+            tag.paused, tag.backup, tag.is_paused, tag.recorded = [], None, False, total
             moved += total
         self.last_move_seconds = time.perf_counter() - t0
         return moved

@@ -84,3 +84,14 @@ def test_tied_weights_are_moved_once():
     mem = TaggedMemory("t/0", MemoryLedger(), "cpu")
     mem.register("params", [emb.weight, head.weight])
     assert mem.pause(["params"]) == 10 * 4 * 4
+
+
+def test_tensors_allocated_after_registration_enter_the_ledger_before_they_leave():
+    state = []
+    ledger = MemoryLedger()
+    mem = TaggedMemory("t/0", ledger, "cpu")
+    mem.register("optimizer", lambda: state)  # empty until the first optimizer step
+    state.append(torch.zeros(100))
+    mem.pause(["optimizer"])
+    assert ledger.held()[("t/0", "optimizer", "device")] == 0
+    assert ledger.peaks()["device"] == 400 and ledger.held()[("t/0", "optimizer", "host")] == 400
