@@ -80,6 +80,7 @@ class TrainerConfig:
     optimizer_offload_chunk_bytes: int = 64 << 20
     clear_quantized_workspaces_on_offload: bool = True
     precision: Literal["bf16", "fp8", "mxfp8", "nvfp4"] = "bf16"  # low-precision recipe for Linear layers
+    megatron_attention: Literal["local", "sdpa"] = "local"  # megatron backend core attention: Megatron's unfused local one, or torch SDPA (flash)
 
     def __post_init__(self):
         if self.world_size < 1:
@@ -90,6 +91,8 @@ class TrainerConfig:
             raise ValueError(f"trainer.eps_clip = {self.eps_clip} must be in [0, 1) and eps_clip_high >= 0")
         if self.num_minibatches < 1 or self.logprob_chunk_size < 1:
             raise ValueError("trainer.num_minibatches and trainer.logprob_chunk_size must be >= 1")
+        if self.megatron_attention not in ("local", "sdpa"):
+            raise ValueError(f"trainer.megatron_attention = {self.megatron_attention!r} must be 'local' or 'sdpa'")
         if self.optimizer_offload == "disk" and not self.optimizer_offload_dir:
             raise ValueError("trainer.optimizer_offload = 'disk' needs trainer.optimizer_offload_dir (a local NVMe directory)")
 

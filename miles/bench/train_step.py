@@ -3,7 +3,8 @@
 Both backends get the same ~1B-parameter Qwen2-style model (bf16 weights from the same seed) and the same
 batch; a step is forward + log-probs + loss + backward + optimizer step. The backends differ in what they
 keep: torch trains the bf16 parameters directly with AdamW (bf16 state); Megatron keeps FP32 master weights,
-FP32 gradient buffers and FP32 Adam moments (Float16Module + its mixed-precision optimizer). Medians over
+FP32 gradient buffers and FP32 Adam moments (Float16Module + its mixed-precision optimizer), and its local
+spec's attention is unfused (``megatron-sdpa`` swaps in torch SDPA, as the torch backend uses). Medians over
 ``--steps`` timed steps after ``--warmup`` untimed ones. On a machine without CUDA only the torch backend runs,
 on a tiny model.
 """
@@ -26,7 +27,8 @@ from miles.train.batch import TrainBatch
 def _parse(argv: list[str], cuda: bool) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="miles bench train-step")
     p.add_argument("--json", action="store_true", help="accepted for the CLI; the result is always JSON")
-    p.add_argument("--backends", nargs="+", default=["torch", "megatron"] if cuda else ["torch"])
+    p.add_argument("--backends", nargs="+", default=["torch", "megatron", "megatron-sdpa"] if cuda else ["torch"],
+                   help="torch, megatron (local spec attention), megatron-sdpa (local spec with torch SDPA attention)")
     p.add_argument("--hidden", type=int, default=2048 if cuda else 128)
     p.add_argument("--intermediate", type=int, default=6144 if cuda else 384)
     p.add_argument("--layers", type=int, default=14 if cuda else 2)
@@ -49,11 +51,13 @@ def _batch(a, device) -> TrainBatch:
 
 
 def _one(name: str, model_cfg: ModelConfig, a, device: str) -> dict:
-    if name == "megatron":
+    if name.startswith("megatron"):
         from miles.train.megatron_backend import MegatronBackend as Backend
     else:
         from miles.train.torch_backend import TorchBackend as Backend
-    backend = Backend(model_cfg, TrainerConfig(backend=name, lr=1e-5), device=device, seed=0, offload_policy="none")
+    attention = "sdpa" if name == "megatron-sdpa" else "local"
+    cfg = TrainerConfig(backend="megatron" if name.startswith("megatron") else "torch", lr=1e-5, megatron_attention=attention)
+    backend = Backend(model_cfg, cfg, device=device, seed=0, offload_policy="none")
     batch = _batch(a, device)
     times = []
     if device == "cuda":
@@ -86,12 +90,13 @@ def run(argv: list[str]) -> dict:
                             max_position_embeddings=max(a.seq, 512), dtype="bfloat16" if cuda else "float32")
     results, skipped = {}, {}
     for name in a.backends:
-        if name == "megatron" and not (cuda and importlib.util.find_spec("megatron") is not None):
+        if name.startswith("megatron") and not (cuda and importlib.util.find_spec("megatron") is not None):
             skipped[name] = "needs CUDA and megatron-core (pip install 'miles[gpu]')"
             continue
         results[name] = _one(name, model_cfg, a, device)
     out = {"num_parameters": model_cfg.num_parameters, "tokens_per_step": a.batch * a.seq, "device": device,
            "config": vars(a), "results": results, "skipped": skipped}
-    if "torch" in results and "megatron" in results:
-        out["megatron_over_torch_tokens_per_s"] = results["megatron"]["tokens_per_s"] / results["torch"]["tokens_per_s"]
+    for name in results:
+        if name != "torch" and "torch" in results:
+            out[f"{name}_over_torch_tokens_per_s"] = results[name]["tokens_per_s"] / results["torch"]["tokens_per_s"]
     return out

@@ -61,11 +61,41 @@ def transformer_config(mc: dict, cfg: ModelConfig, *, world_size: int):
         gradient_accumulation_fusion=False, tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
 
 
-def build_gpt(mc: dict, tcfg, cfg: ModelConfig, device: torch.device):
+class SdpaCoreAttention(torch.nn.Module):
+    """Core attention for Megatron's local spec through ``torch.nn.functional.scaled_dot_product_attention``
+    (flash / memory-efficient kernels), instead of the local spec's unfused baddbmm + softmax that materialises
+    [b * heads, s, s] scores. Causal self-attention only; q/k/v come as [s, b, heads, head_dim]."""
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
+                 softmax_scale=None, cp_comm_type=None, pg_collection=None, **unused):
+        super().__init__()
+        self.config, self.softmax_scale = config, softmax_scale
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None, **unused):
+        if attention_mask is not None or attention_bias is not None or packed_seq_params is not None:
+            raise ValueError("SdpaCoreAttention supports causal attention without masks, biases or packed sequences; "
+                             "use trainer.megatron_attention=local")
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale,
+                                             enable_gqa=k.shape[1] != q.shape[1])
+        s, b = query.shape[0], query.shape[1]
+        return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+
+def layer_spec(mc: dict, attention: str):
+    """Megatron's local layer spec (no Transformer Engine), with SDPA core attention when ``attention == 'sdpa'``."""
+    spec = mc["local_spec"](normalization="RMSNorm")
+    if attention == "sdpa":
+        spec.submodules.self_attention.submodules.core_attention = SdpaCoreAttention
+    return spec
+
+
+def build_gpt(mc: dict, tcfg, cfg: ModelConfig, device: torch.device, attention: str = "local"):
     """A GPTModel (local spec) with the HF config's shapes, on ``device``; weights are loaded afterwards.
 
     The local spec's torch RMSNorm is created on the CPU whatever the config says, hence the final ``.to``."""
-    return mc["GPTModel"](tcfg, mc["local_spec"](normalization="RMSNorm"), vocab_size=cfg.vocab_size,
+    return mc["GPTModel"](tcfg, layer_spec(mc, attention), vocab_size=cfg.vocab_size,
                           max_sequence_length=cfg.max_position_embeddings, position_embedding_type="rope",
                           rotary_base=int(cfg.rope_theta), share_embeddings_and_output_weights=cfg.tie_word_embeddings).to(device)
 
@@ -127,8 +157,8 @@ class MegatronBackend(TorchBackend):
         init_parallel_state(mc, world_size, seed)
         self.tcfg = transformer_config(mc, model_cfg, world_size=world_size)
         hf = build_decoder(model_cfg, seed=seed, device=self.device).hf_state_dict()  # same weights as TorchBackend
-        policy = self._load(mc["Float16Module"](self.tcfg, build_gpt(mc, self.tcfg, model_cfg, self.device)), hf)
-        self.ref_model = self._load(mc["Float16Module"](self.tcfg, build_gpt(mc, self.tcfg, model_cfg, self.device)), hf).eval().requires_grad_(False) if cfg.kl_coef else None
+        policy = self._load(mc["Float16Module"](self.tcfg, build_gpt(mc, self.tcfg, model_cfg, self.device, cfg.megatron_attention)), hf)
+        self.ref_model = self._load(mc["Float16Module"](self.tcfg, build_gpt(mc, self.tcfg, model_cfg, self.device, cfg.megatron_attention)), hf).eval().requires_grad_(False) if cfg.kl_coef else None
         del hf
         ddp_cfg = mc["DDPConfig"](grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=world_size > 1)
         self.model = mc["DDP"](self.tcfg, ddp_cfg, policy)
