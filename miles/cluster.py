@@ -121,11 +121,11 @@ class Cluster:
         if bad:
             raise RuntimeError(f"check_weights: {len(bad)} engine tensors differ from the trainer's after sync, e.g. {bad[:3]}")
 
-    def save_checkpoint(self, run_dir, next_step: int) -> None:
+    def save_checkpoint(self, run_dir, next_step: int):
         tags = list(TRAIN_ALL) if self.cfg.handoff.offload_train != "none" else []
         self.trainer.call("onload", tags)
         try:
-            run_dir.save_checkpoint(next_step, lambda d: self.trainer.call("save_checkpoint", d))
+            return run_dir.save_checkpoint(next_step, lambda d: self.trainer.call("save_checkpoint", d))
         finally:
             self.trainer.call("offload", tags)
 
