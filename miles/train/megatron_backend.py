@@ -143,7 +143,9 @@ class MegatronBackend(TorchBackend):
 
     def __init__(self, model_cfg: ModelConfig, cfg: TrainerConfig, *, rank: int = 0, world_size: int = 1,
                  device="cuda", seed: int = 0, temperature: float = 1.0, ledger: MemoryLedger | None = None,
-                 offload_policy: str = "host", disk_dir: str | None = None):
+                 offload_policy: str = "host", disk_dir: str | None = None, distributed_optimizer: bool | None = None):
+        """``distributed_optimizer``: shard FP32 masters and Adam state over the data-parallel ranks; default: when
+        world_size > 1 (with one rank it is Megatron's distributed-optimizer code path over a group of one)."""
         mc = import_megatron()
         self.device = torch.device(device)
         if self.device.type != "cuda":
@@ -160,12 +162,13 @@ class MegatronBackend(TorchBackend):
         policy = self._load(mc["Float16Module"](self.tcfg, build_gpt(mc, self.tcfg, model_cfg, self.device, cfg.megatron_attention)), hf)
         self.ref_model = self._load(mc["Float16Module"](self.tcfg, build_gpt(mc, self.tcfg, model_cfg, self.device, cfg.megatron_attention)), hf).eval().requires_grad_(False) if cfg.kl_coef else None
         del hf
-        ddp_cfg = mc["DDPConfig"](grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=world_size > 1)
+        dist_opt = world_size > 1 if distributed_optimizer is None else distributed_optimizer
+        ddp_cfg = mc["DDPConfig"](grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=dist_opt)
         self.model = mc["DDP"](self.tcfg, ddp_cfg, policy)
         self.optimizer = mc["get_optimizer"](mc["OptimizerConfig"](
             optimizer="adam", lr=cfg.lr, weight_decay=cfg.weight_decay, adam_beta1=cfg.betas[0], adam_beta2=cfg.betas[1],
             clip_grad=cfg.max_grad_norm, bf16=True, params_dtype=torch.bfloat16,
-            use_distributed_optimizer=world_size > 1), [self.model])
+            use_distributed_optimizer=dist_opt), [self.model])
         self._zero_grads()
         self.ledger = ledger or MemoryLedger()
         self.memory = TaggedMemory(f"trainer/{rank}", self.ledger, self.device, disk_dir=disk_dir)
