@@ -44,7 +44,9 @@ TRANSPORTS = {  # variant -> (transport, engine staging, extra)
     "host-staged": ("tensor", "direct", {"staging_device": "cpu"}),
     "disk-delta": ("disk-delta", "direct", {}),
 }
-DEFAULTS = {"cpu": ["tensor", "tensor:shadow", "broadcast", "rdt", "rdt:shadow", "disk-delta"],
+# rdt over gloo comes last: its Ray collective group makes the trainer process a torch.distributed world of 2,
+# which a transport that gathers over the default group (disk-delta) would then wait on forever.
+DEFAULTS = {"cpu": ["tensor", "tensor:shadow", "broadcast", "disk-delta", "rdt", "rdt:shadow"],
             "cuda": ["tensor", "tensor:shadow", "rdt", "rdt:shadow", "host-staged"]}  # NCCL cannot pair two ranks on one GPU
 
 

@@ -84,7 +84,7 @@ class RDTSync(BucketSync):
         self.sync_id = uuid.uuid4().hex
         self.bucket: torch.Tensor | None = None
         self.me = None
-        self.comm = None
+        self.comm, self._owns_comm = None, False
 
     def connect(self, engines: list) -> None:
         super().connect(engines)
@@ -98,7 +98,7 @@ class RDTSync(BucketSync):
             raise ValueError(f"the rdt transport sends to engines that are Ray actors; {local[0]!r} is not one")
         _check_actor(self.me, min(self.timeout_s, 30.0))
         if self.transport in TWO_SIDED:
-            self.comm = _collective_group([self.me] + self.engines, self.transport)
+            self.comm, self._owns_comm = _collective_group([self.me] + self.engines, self.transport)
         self.bucket = alloc_exportable(self.cfg.update_weight_buffer_size, self.device)
         _probe_registration(self.bucket, self.transport)
         _SOURCES[self.sync_id] = self
@@ -118,7 +118,7 @@ class RDTSync(BucketSync):
 
     def close(self) -> None:
         _SOURCES.pop(self.sync_id, None)
-        if self.comm is not None:
+        if self.comm is not None and self._owns_comm:
             from ray.experimental.collective import destroy_collective_group
 
             try:
@@ -173,15 +173,20 @@ def _check_actor(me, timeout_s: float) -> None:
 
 
 def _collective_group(actors: list, transport: str):
+    """A Ray collective group of these actors: an existing one of this process (a second sync to the same
+    engines reuses it: an actor joins one group per backend), else a new one. Returns (group, created)."""
     import torch.distributed as dist
-    from ray.experimental.collective import create_collective_group
+    from ray.experimental.collective import create_collective_group, get_collective_groups
 
+    backend = "torch_gloo" if transport == "gloo" else "nccl"
+    existing = [g for g in get_collective_groups(actors, backend=backend) if len(g.actors) == len(actors)]
+    if existing:
+        return existing[0], False
     if dist.is_available() and dist.is_initialized():
         raise RuntimeError(f"rdt over {transport} needs a Ray collective group, which initialises torch.distributed's "
                            "default group in every member; this trainer process already has one (world size "
                            f"{dist.get_world_size()}). Use sync.rdt_transport=nixl / cuda_ipc, or sync.transport=broadcast")
-    return create_collective_group(actors, backend="torch_gloo" if transport == "gloo" else "nccl",
-                                   name=f"miles-rdt-{uuid.uuid4().hex[:8]}")
+    return create_collective_group(actors, backend=backend, name=f"miles-rdt-{uuid.uuid4().hex[:8]}"), True
 
 
 def _probe_registration(bucket: torch.Tensor, transport: str) -> None:
