@@ -4,7 +4,8 @@ mixed-precision optimizer (FP32 master weights; the distributed optimizer when w
 
 Policy forwards (scoring and loss) pass ``fp32_output=False`` (miles.policy.precision), so the [T, V] logits
 stay bf16 and go straight into ``miles.policy.logprob.log_probs_and_entropy``; no FP32 copy of all logits
-exists. Weights enter and leave in Hugging Face names through miles.train.megatron_convert. The loss code is
+exists. miles trains no value head (GRPO/GSPO/PPO-clip with group advantages); a critic forward would keep
+Megatron's default ``fp32_output=True``, since its scalar outputs are tiny. Weights enter and leave in Hugging Face names through miles.train.megatron_convert. The loss code is
 TorchBackend's own (this class inherits train_step / sft_step and overrides the model-specific pieces), so
 both backends optimise the same objective.
 """
@@ -48,7 +49,7 @@ def import_megatron():
                 TransformerConfig=TransformerConfig)
 
 
-def transformer_config(mc: dict, cfg: ModelConfig, *, world_size: int):
+def transformer_config(mc: dict, cfg: ModelConfig):
     """Megatron's TransformerConfig for an HF Llama/Qwen2 config: RMSNorm, SwiGLU, RoPE, GQA, bf16, no dropout,
     no fusions that need Apex or Transformer Engine."""
     return mc["TransformerConfig"](
@@ -157,7 +158,7 @@ class MegatronBackend(TorchBackend):
         self.rank, self.world_size, self.temperature = rank, world_size, temperature
         torch.manual_seed(seed)
         init_parallel_state(mc, world_size, seed)
-        self.tcfg = transformer_config(mc, model_cfg, world_size=world_size)
+        self.tcfg = transformer_config(mc, model_cfg)
         hf = build_decoder(model_cfg, seed=seed, device=self.device).hf_state_dict()  # same weights as TorchBackend
         policy = self._load(mc["Float16Module"](self.tcfg, build_gpt(mc, self.tcfg, model_cfg, self.device, cfg.megatron_attention)), hf)
         self.ref_model = self._load(mc["Float16Module"](self.tcfg, build_gpt(mc, self.tcfg, model_cfg, self.device, cfg.megatron_attention)), hf).eval().requires_grad_(False) if cfg.kl_coef else None
