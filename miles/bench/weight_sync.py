@@ -12,7 +12,7 @@ staging buffers in shared host memory: device -> host -> device). ``tensor`` and
 twice (into the staging bucket, out of it into the engine), ``:shadow`` staging once more at commit.
 
     miles bench weight-sync --json                                     # CPU: 8/32/128 MiB, all transports
-    miles bench weight-sync --json --sizes-mib 1024 4096               # CUDA (one GPU shared by both actors)
+    miles bench weight-sync --json                                     # CUDA: 256 MiB / 1 / 4 GiB on one shared GPU
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ DEFAULTS = {"cpu": ["tensor", "tensor:shadow", "broadcast", "disk-delta", "rdt",
 def _parse(argv: list[str], cuda: bool) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="miles bench weight-sync")
     p.add_argument("--json", action="store_true", help="accepted for the CLI; the result is always JSON")
-    p.add_argument("--sizes-mib", type=float, nargs="+", default=[1024, 4096] if cuda else [8, 32, 128])
+    p.add_argument("--sizes-mib", type=float, nargs="+", default=[256, 1024, 4096] if cuda else [8, 32, 128])
     p.add_argument("--transports", nargs="+", choices=list(TRANSPORTS), default=DEFAULTS["cuda" if cuda else "cpu"])
     p.add_argument("--bucket-mib", type=float, default=512, help="sync.update_weight_buffer_size")
     p.add_argument("--repeats", type=int, default=3)

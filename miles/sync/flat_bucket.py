@@ -69,7 +69,7 @@ class StagingBuffers:
                 buf = alloc_exportable(max(nbytes, 1), self.device)
                 cur = (key, buf, "", reduce_tensor(buf)[1])
             else:
-                path = os.path.join(_shm_dir(), key)
+                path = os.path.join(_shm_dir(max(nbytes, 1)), key)
                 buf = torch.from_file(path, shared=True, size=max(nbytes, 1), dtype=torch.uint8)
                 cur = (key, buf, path, ())
             self.slots[slot] = cur
@@ -148,5 +148,12 @@ def expandable_segments_off():
         torch.cuda.memory._set_allocator_settings("expandable_segments:True")
 
 
-def _shm_dir() -> str:
-    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+def _shm_dir(nbytes: int = 0) -> str:
+    """/dev/shm when it can hold ``nbytes`` more (a container's default 64 MiB cannot: writing past it is a
+    SIGBUS, not an error), else the temporary directory (file-backed, served from the page cache)."""
+    import shutil
+
+    shm = "/dev/shm"
+    if os.path.isdir(shm) and os.access(shm, os.W_OK) and shutil.disk_usage(shm).free >= 2 * nbytes:
+        return shm
+    return tempfile.gettempdir()
