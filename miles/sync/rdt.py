@@ -15,9 +15,10 @@ whose ``update_weights_from_rdt`` receives the tensors pulled by Ray. A set larg
 sequential rounds; a group larger than the bucket is cut into pieces the engine assembles before applying
 (a fused parameter waits for all its shards); the version is set after the last pull.
 
-Actor requirements (see ``actor_options``): both sides ``enable_tensor_transport=True`` (it creates Ray's
-``_ray_system`` concurrency group, where transfers run), and the trainer ``max_concurrency >= 1 +
-gpus_per_engine``: its ``update_weights`` call holds one slot while the publishing self-calls need others.
+Actor requirements (see ``actor_options``): the trainer ``max_concurrency >= 1 + gpus_per_engine``: its
+``update_weights`` call holds one slot while the publishing self-calls need others; ``enable_tensor_transport=True``
+on both sides gives transfers their own ``_ray_system`` concurrency group (without it they queue in the default
+group, which works when that has a free slot: measured with the driver's max_concurrency=2 TrainActor).
 With ``max_concurrency=1`` the self-call waits behind ``update_weights`` forever; ``connect`` probes this and
 raises instead of hanging (with Ray 2.60 a busy max_concurrency=1 actor runs neither the self-call nor its
 ``_ray_system`` transfers: a sync then waits for Ray's 60 s RDT fetch timeout, which is how a first try timed
