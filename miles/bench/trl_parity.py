@@ -54,6 +54,8 @@ def run(argv: list[str]) -> dict:
         out["speedup_completions_per_s"] = out["miles"]["completions_per_s"] / out["trl"]["completions_per_s"]
         out["speedup_completion_tokens_per_s"] = (out["miles"]["completion_tokens_per_s"]
                                                   / out["trl"]["completion_tokens_per_s"])
+        # the fastest measured step of each side: the least disturbed by other load on a shared machine
+        out["speedup_fastest_step"] = out["trl"]["s_per_step_min"] / out["miles"]["s_per_step_min"]
     return out
 
 
@@ -76,7 +78,7 @@ def summarize(step_s: list[float], completions: list[int], tokens: list[int], wa
     """Median seconds per step over the measured steps, and throughput at that median."""
     s, c, t = step_s[warmup:], completions[warmup:], tokens[warmup:]
     med = statistics.median(s)
-    return {"s_per_step": med, "s_per_step_all": [round(x, 4) for x in step_s],
+    return {"s_per_step": med, "s_per_step_min": min(s), "s_per_step_all": [round(x, 4) for x in step_s],
             "completions_per_s": statistics.median(c) / med, "completion_tokens_per_s": statistics.median(t) / med,
             "mean_completion_tokens": sum(t) / max(1, sum(c))}
 

@@ -84,13 +84,11 @@ class Attention(nn.Module):
             ck[:B, :, cache_pos : cache_pos + T] = k
             cv[:B, :, cache_pos : cache_pos + T] = v
             k, v = ck[:B, :, : cache_pos + T], cv[:B, :, : cache_pos + T]
-        groups = cfg.num_attention_heads // cfg.num_key_value_heads
-        if groups > 1:
-            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        gqa = cfg.num_attention_heads != cfg.num_key_value_heads  # SDPA shares KV heads without copying them
         if mask_B1TS is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_B1TS)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_B1TS, enable_gqa=gqa)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
 
