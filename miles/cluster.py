@@ -27,7 +27,7 @@ def start_ray(address: str = "", *, num_cpus: int | None = None, threads: int = 
         try:
             ray.init(address=address or None, num_cpus=None if address else num_cpus, include_dashboard=False,
                      logging_level=logging.WARNING, log_to_driver=True,
-                     runtime_env={"env_vars": {"OMP_NUM_THREADS": str(threads)}})
+                     runtime_env={"env_vars": {"OMP_NUM_THREADS": str(threads), "PYTHONPATH": _driver_pythonpath()}})
             return
         except Exception as e:
             if "timed out during startup" not in str(e) or attempt == 2:
@@ -35,6 +35,22 @@ def start_ray(address: str = "", *, num_cpus: int | None = None, threads: int = 
             log.warning("Ray did not start in time (%s); retrying (%d/3)", e, attempt + 2)
             ray.shutdown()
             _kill_ray_children()
+
+
+def _driver_pythonpath() -> str:
+    """The driver's own import roots (cwd, a test directory, a user's script folder) for the actors, so that a
+    ``module:function`` spec such as ``task.reward`` resolves in an actor as it does here. Installed packages are
+    left to the actor's interpreter."""
+    import sys
+
+    prefixes = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix)}
+    roots = []
+    for p in sys.path:
+        p = os.path.realpath(p or os.getcwd())
+        if os.path.isdir(p) and not any(p.startswith(x + os.sep) for x in prefixes) and p not in roots:
+            roots.append(p)
+    extra = os.environ.get("PYTHONPATH", "")
+    return os.pathsep.join(roots + ([extra] if extra else []))
 
 
 def _kill_ray_children() -> None:

@@ -41,6 +41,8 @@ SYSTEM = ("You fix bugs in a small repository. Call one tool per turn by writing
 @dataclass(kw_only=True, slots=True)
 class EpisodeSpec:
     episode_id: str
+    rollout_id: str = ""  # the AgentRollout that started it; with step, it fences late opens after a flush
+    step: int = -1  # the rollout step; a session server refuses opens for a step of that rollout it has flushed
     group: int = 0  # prompt group within the rollout step
     task_seed: int = 0
     instance_id: str  # the session-server instance this episode talks to (flush key)
@@ -174,7 +176,7 @@ class Harness:
 
     async def _converse(self, spec: EpisodeSpec, task: RepoTask, box: Path, out: dict) -> None:
         url = spec.session_url.rstrip("/")
-        sid = (await self._post(f"{url}/sessions", {"metadata": {"episode_id": spec.episode_id}}))["session_id"]
+        sid = (await self._post(f"{url}/sessions", {"metadata": {"episode_id": spec.episode_id, "rollout": spec.rollout_id, "step": spec.step}}))["session_id"]
         out["session_id"] = sid
         messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": task.description}]
         try:

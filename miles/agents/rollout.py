@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import random
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
@@ -72,6 +73,7 @@ class AgentRollout:
         self.num_groups, self.group_size, self.temperature, self.seed = num_groups, group_size, temperature, seed
         self.buffer: list[int] = []  # task seeds of aborted groups
         self._client = httpx.Client(timeout=httpx.Timeout(10.0, connect=2.0))
+        self.rollout_id = uuid.uuid4().hex[:12]  # names this rollout's sessions on every instance (flush fences)
         self._cursor = self._harness_cursor()
 
     def session_url(self, port: int) -> str:
@@ -86,7 +88,7 @@ class AgentRollout:
         t_collect = time.perf_counter() - t0
         flush: list[FlushResult] = []
         if (outstanding or harness_error) and self.cfg.flush_enabled:
-            flush = self.flush_all()
+            flush = self.flush_all(step)
             self._gather(groups, outstanding, enough=False, wait_s=self.cfg.flush_timeout_s)
         elif outstanding:  # no flush: the surplus runs to its end and the step waits for it
             _, err = self._gather(groups, outstanding, enough=False)
@@ -115,7 +117,7 @@ class AgentRollout:
                 port = ports[len(specs) % len(ports)]
                 eid = f"s{step}-g{gid}-{i}-{rng.randrange(1 << 20):05x}"
                 slow = rng.random() < self.cfg.slow_test_fraction
-                specs.append({"episode_id": eid, "group": gid, "task_seed": task_seed,
+                specs.append({"episode_id": eid, "rollout_id": self.rollout_id, "step": step, "group": gid, "task_seed": task_seed,
                               "instance_id": self.instances[port], "session_url": self.session_url(port),
                               "max_turns": self.cfg.max_turns, "max_tokens": self.cfg.max_tokens_per_turn,
                               "temperature": self.temperature, "slow_s": self.cfg.slow_test_s * slow,
@@ -177,12 +179,14 @@ class AgentRollout:
             self.buffer += [g.task_seed for g in dropped]
 
     # ---- flush --------------------------------------------------------------------------------------------
-    def flush_all(self) -> list[FlushResult]:
-        """Flush every instance concurrently; each gets flush_timeout_s per attempt and flush_retries retries."""
+    def flush_all(self, step: int = -1) -> list[FlushResult]:
+        """Flush every instance concurrently; each gets flush_timeout_s per attempt and flush_retries retries.
+        With ``step``, each instance also refuses this rollout's sessions for that step or an earlier one afterwards
+        (an open that was queued on a stalled instance must not leave a session behind once it runs)."""
         with ThreadPoolExecutor(max_workers=len(self.instances), thread_name_prefix="flush") as pool:
-            return list(pool.map(lambda kv: self.flush_instance(*kv), self.instances.items()))
+            return list(pool.map(lambda kv: self.flush_instance(*kv, step=step), self.instances.items()))
 
-    def flush_instance(self, port: int, instance_id: str) -> FlushResult:
+    def flush_instance(self, port: int, instance_id: str, step: int = -1) -> FlushResult:
         res = FlushResult(instance_id=instance_id, port=port)
         t0 = time.perf_counter()
         timeout = self.cfg.flush_timeout_s
@@ -192,7 +196,7 @@ class AgentRollout:
                 errors = []
                 if not res.session:
                     try:
-                        r = client.post(f"{self.session_url(port)}/flush", json={"timeout_s": timeout / 2})
+                        r = client.post(f"{self.session_url(port)}/flush", json={"timeout_s": timeout / 2, "rollout": self.rollout_id, "step": step})
                         r.raise_for_status()
                         res.session = r.json()
                     except httpx.HTTPError as e:

@@ -78,9 +78,15 @@ class SessionServer:
         self._idle = threading.Condition(self._lock)
         self.num_flushes = 0
         self.flushed: set[str] = set()  # ids of sessions a flush dropped, so a late call hears why (bounded)
+        self.fences: dict[str, int] = {}  # rollout id -> last flushed step: its opens for that step or earlier are refused
 
     def open(self, metadata: dict | None = None) -> str:
+        rollout, step = (metadata or {}).get("rollout"), (metadata or {}).get("step")
         with self._lock:
+            fence = self.fences.get(rollout, -1) if isinstance(rollout, str) else -1
+            if isinstance(step, int) and 0 <= step <= fence:
+                raise SessionError(409, "session_aborted", f"a session for step {step} of rollout {rollout} was asked for "
+                                   f"after a flush of instance {self.instance_id} ended that step (flushed up to step {fence})")
             if len(self.sessions) >= self.max_sessions:
                 raise SessionError(429, "too_many_sessions", f"instance {self.instance_id} holds {len(self.sessions)} sessions "
                                    f"(max {self.max_sessions}); delete finished ones with DELETE /sessions/<id>")
@@ -194,10 +200,16 @@ class SessionServer:
                           "tool_call_errors": errors}}
 
     # ---- flush --------------------------------------------------------------------------------------------
-    def flush(self, timeout_s: float = 5.0) -> dict:
-        """Abort every session of this instance: in-flight turns end on the engine, sessions are dropped."""
+    def flush(self, timeout_s: float = 5.0, rollout: str = "", step: int = -1) -> dict:
+        """Abort every session of this instance: in-flight turns end on the engine, sessions are dropped. With a
+        ``rollout`` id and ``step`` >= 0, later opens of that rollout for that step (or an earlier one) are refused:
+        on an instance that stalled, an open queued before the flush may run after it, and its caller is gone."""
         t0 = time.perf_counter()
         with self._lock:
+            if rollout and step >= 0:
+                self.fences[rollout] = max(self.fences.pop(rollout, -1), step)  # re-inserted: newest last
+                while len(self.fences) > 1024:
+                    del self.fences[next(iter(self.fences))]
             rids = [s.inflight for s in self.sessions.values() if s.inflight]
             for s in self.sessions.values():
                 s.aborted = True
@@ -264,7 +276,11 @@ def create_app(server: SessionServer) -> FastAPI:
 
     @app.post("/flush")
     def flush(body: dict = Body(default={})):
-        return server.flush(float(body.get("timeout_s", 5.0)))
+        rollout, step = body.get("rollout", ""), body.get("step", -1)
+        if not isinstance(step, int) or not isinstance(rollout, str):
+            raise SessionError(400, "invalid_request", f"POST /flush: 'rollout' = {rollout!r} should be a string and "
+                               f"'step' = {step!r} an integer")
+        return server.flush(float(body.get("timeout_s", 5.0)), rollout, step)
 
     @app.get("/health")
     def health():

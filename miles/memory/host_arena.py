@@ -113,3 +113,16 @@ def host_arena(nbytes: int, pin: bool = False) -> torch.Tensor:
 def is_pinned(t: torch.Tensor) -> bool:
     """Whether CUDA sees ``t``'s memory as page-locked (False without CUDA)."""
     return torch.cuda.is_available() and t.is_pinned()
+
+
+def trim_heap() -> bool:
+    """Hand the C heap's free pages back to the OS (glibc ``malloc_trim``). torch's CPU allocator uses malloc, and
+    once a process has freed a few large blocks glibc serves multi-MiB requests from its heap, where ``free``
+    keeps the pages: without this, a CPU tensor freed by an offload stays in the process RSS. Returns whether the
+    C library could do it (False off glibc)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    libc.malloc_trim(0)
+    return True

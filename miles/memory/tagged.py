@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from miles.memory.host_arena import trim_heap
 from miles.memory.ledger import MemoryLedger
 
 POLICIES = ("host", "disk", "discard")
@@ -143,6 +144,8 @@ class TaggedMemory:
                 torch.cuda.synchronize(self.device)
             for s, _, _ in tag.paused:
                 s.resize_(0)
+            if self.device.type == "cpu" and tag.paused:
+                trim_heap()  # the CPU "device" bytes leave the process, as the ledger says they do
             tag.is_paused, tag.recorded = True, 0
             pool = {"host": "host", "disk": "disk"}.get(tag.policy)
             self.ledger.record(self.owner, name, "device", total, "out", phase)

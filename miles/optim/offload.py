@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from miles.memory.host_arena import trim_heap
 from miles.memory.ledger import MemoryLedger
 from miles.memory.tagged import unique_storages
 
@@ -157,7 +158,7 @@ class ChunkedOptimizerStateOffloader:
             opt.register_step_pre_hook(self._before_step)
             opt.register_state_dict_pre_hook(lambda _opt: self.restore())
             opt.register_load_state_dict_pre_hook(lambda _opt, _sd: self._before_load())
-            opt.register_load_state_dict_post_hook(_own_loaded_state)
+            opt.register_load_state_dict_post_hook(own_loaded_state)
 
     # -- the allocator: the only thing the disk subclass overrides --------------------------------------------
     def _allocate_chunk(self, index: int, nbytes: int, pin: bool) -> HostChunk:
@@ -182,6 +183,8 @@ class ChunkedOptimizerStateOffloader:
         self._copy_out()
         for s in storages:
             s.resize_(0)
+        if storages[0].device.type == "cpu":
+            trim_heap()  # freed CPU storages otherwise stay in the process RSS (glibc keeps heap pages)
         self.offloaded_bytes = sum(n for _, n in self._layout)
         self.is_offloaded = True
         self._record("device", self.offloaded_bytes, "out", "optimizer_offload")
@@ -357,7 +360,7 @@ class ChunkedOptimizerStateOffloader:
         torch.cuda.current_stream().synchronize()
 
 
-def _own_loaded_state(optimizer: torch.optim.Optimizer) -> None:
+def own_loaded_state(optimizer: torch.optim.Optimizer) -> None:
     """load_state_dict may keep the caller's tensors (torch.load storages cannot be resized): copy those."""
     for st in optimizer.state.values():
         for k, v in st.items():

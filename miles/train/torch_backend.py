@@ -189,7 +189,10 @@ class TorchBackend:
                 else:
                     p.copy_(t)
         if self.world_size == 1:
+            from miles.optim.offload import own_loaded_state
+
             self.optimizer.load_state_dict(state["optimizer"])
+            own_loaded_state(self.optimizer)  # torch.load's storages cannot be resized, so offload could not free them
         else:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 

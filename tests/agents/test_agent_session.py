@@ -111,6 +111,22 @@ def test_flush_aborts_an_in_flight_turn_and_drops_every_session(server):
     assert e.value.status == 409
 
 
+def test_after_a_flush_for_a_step_a_late_open_for_that_step_is_refused_and_later_steps_open(server):
+    sid = server.open({"episode_id": "e0", "rollout": "r1", "step": 3})
+    server.flush(timeout_s=1.0, rollout="r1", step=3)
+    with pytest.raises(SessionError, match="step 3 of rollout r1 was asked for after a flush of instance agent-test") as e:
+        server.open({"episode_id": "e1", "rollout": "r1", "step": 3})  # e.g. queued while the instance was stalled
+    assert e.value.status == 409 and server.health()["sessions"] == 0
+    with pytest.raises(SessionError, match="aborted by a flush"):
+        server.chat(sid, {"messages": [{"role": "user", "content": "x"}]})
+    later = server.open({"episode_id": "e2", "rollout": "r1", "step": 4})
+    other_run = server.open({"episode_id": "e3", "rollout": "r2", "step": 0})  # another rollout is not fenced
+    untagged = server.open()
+    assert server.health()["sessions"] == 3
+    for sid in (later, other_run, untagged):
+        server.close(sid)
+
+
 def test_embedded_policy_batches_concurrent_calls_and_matches_a_direct_generate(server):
     from miles.rollout.engine import SamplingParams
 
