@@ -54,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="run RL from a recipe")
     t.add_argument("--recipe", default="quickstart")
-    t.add_argument("--set", action="append", metavar="SECTION.FIELD=VALUE", help="override a config field (repeatable)")
+    t.add_argument("--set", action="extend", nargs="+", metavar="SECTION.FIELD=VALUE",
+                   help="override config fields: --set trainer.lr=1e-4 num_steps=8 (repeatable)")
     t.add_argument("--no-progress", action="store_true")
     t.set_defaults(func=_train)
     b = sub.add_parser("bench", help="run a named benchmark; results go to benchmarks/results/")

@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 import os
 
-import torch
 
 from miles.config import RunConfig
 from miles.handoff import TRAIN_ALL, Step
@@ -95,8 +94,9 @@ class Cluster:
         self.pg = placement_group([dict(bundle) for _ in range(cfg.trainer.world_size)], strategy="PACK")
         ray.get(self.pg.ready())
         self.trainer = TrainGroup(cfg, self.pg, num_gpus_per_actor=0.45 * gpu)
+        rdt = {"enable_tensor_transport": True} if cfg.sync.transport == "rdt" else {}  # the engine side of rdt
         self.rollout = ray.remote(RolloutManager).options(
-            num_cpus=0.01, num_gpus=0.45 * gpu, max_concurrency=4,
+            num_cpus=0.01, num_gpus=0.45 * gpu, max_concurrency=4, **rdt,
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=0),
         ).remote(cfg, self.device)
         self.trainer.call("connect_sync", [self.rollout])
@@ -130,12 +130,12 @@ class Cluster:
         return moved
 
     def check_weights(self) -> None:
-        """Engine weights must equal the trainer's, bit for bit, after a sync."""
+        """Engine weights must equal the trainer's, bit for bit (dtype, shape and every byte), after a sync."""
+        from miles.sync.check import check_weights
+
         trainer = self.trainer.call("named_weights")[0]
-        engine = self.get(self.rollout.named_weights.remote())
-        bad = [k for k, v in trainer.items() if k not in engine or not torch.equal(engine[k], v)]
-        if bad:
-            raise RuntimeError(f"check_weights: {len(bad)} engine tensors differ from the trainer's after sync, e.g. {bad[:3]}")
+        for i in range(self.cfg.rollout.num_engines):
+            check_weights(trainer, self.get(self.rollout.named_weights.remote(i)), label=f"engine {i}")
 
     def save_checkpoint(self, run_dir, next_step: int):
         tags = list(TRAIN_ALL) if self.cfg.handoff.offload_train != "none" else []

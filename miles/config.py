@@ -220,6 +220,12 @@ class RunConfig:
                 f"trainer.world_size = {self.trainer.world_size} ranks; make it a multiple")
         if self.trainer.backend == "megatron" and self.device == "cpu":
             raise ValueError("trainer.backend = 'megatron' needs a GPU; use device=cuda or trainer.backend=torch")
+        h = self.handoff
+        if (self.sync.transport == "disk-delta" and h.offload_rollout and "weight" in h.offload_rollout_level
+                and not h.engine_host_mirror):
+            raise ValueError("sync.transport = 'disk-delta' applies each version as a delta to the engine's weights, "
+                             "but the handoff discards them while training (offload_rollout_level has 'weight', no host "
+                             "mirror); set handoff.engine_host_mirror=true or handoff.offload_rollout_level=kv_cache")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

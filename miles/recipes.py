@@ -33,7 +33,7 @@ def trl_parity() -> RunConfig:
                   "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128,
                   "head_dim": 0},  # 0: derive 64 from the new width (quickstart's dict carries its derived 32)
         "rollout": {**cfg.to_dict()["rollout"], "num_prompts_per_step": 8, "n_samples_per_prompt": 4, "max_new_tokens": 32,
-                    "max_seq_len": 128},
+                    "max_seq_len": 128, "max_batch_size": 32},  # KV cache for the 32 completions, not 128
         "trainer": {**cfg.to_dict()["trainer"], "warmup_sft_steps": 0, "num_minibatches": 1},
     })
 

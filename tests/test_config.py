@@ -41,6 +41,13 @@ def test_samples_must_split_evenly_over_ranks():
         apply_overrides(quickstart(), ["trainer.world_size=3"])
 
 
+def test_disk_delta_with_discarded_engine_weights_is_rejected_and_each_fix_is_accepted():
+    with pytest.raises(ValueError, match="set handoff.engine_host_mirror=true or handoff.offload_rollout_level=kv_cache"):
+        apply_overrides(quickstart(), ["sync.transport=disk-delta"])
+    apply_overrides(quickstart(), ["sync.transport=disk-delta", "handoff.engine_host_mirror=true"])
+    apply_overrides(quickstart(), ["sync.transport=disk-delta", "handoff.offload_rollout_level=kv_cache"])
+
+
 def test_unknown_recipe_lists_the_known_ones():
     with pytest.raises(ValueError, match="unknown recipe 'nope'; available recipes: .*quickstart"):
         get_recipe("nope")

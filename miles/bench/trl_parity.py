@@ -98,9 +98,14 @@ def miles_side(steps: int, warmup: int, workdir: str) -> dict:
 
 def trl_side(steps: int, warmup: int, workdir: str) -> dict:
     import torch
-    from datasets import Dataset
-    from transformers import Qwen2Config, Qwen2ForCausalLM, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+
+    try:
+        from datasets import Dataset
+        from transformers import Qwen2Config, Qwen2ForCausalLM, TrainerCallback
+        from trl import GRPOConfig, GRPOTrainer
+    except ImportError as e:
+        raise SystemExit(f"the TRL side needs trl and its dependencies ({e}): pip install 'trl==1.16.0' "
+                         "(the version measured in BENCHMARKS.md), or run --side miles") from None
 
     from miles.model.decoder import build_decoder
     from miles.rollout.tasks import Task, positional_credit

@@ -18,6 +18,8 @@ import torch
 from miles.memory.host_arena import trim_heap
 from miles.memory.ledger import MemoryLedger
 
+TRIM_MIN_BYTES = 8 << 20  # below this, handing freed heap pages back to the OS costs more than it frees
+
 POLICIES = ("host", "disk", "discard")
 TensorSource = Iterable[torch.Tensor] | Callable[[], Iterable[torch.Tensor]]
 
@@ -144,14 +146,14 @@ class TaggedMemory:
                 torch.cuda.synchronize(self.device)
             for s, _, _ in tag.paused:
                 s.resize_(0)
-            if self.device.type == "cpu" and tag.paused:
-                trim_heap()  # the CPU "device" bytes leave the process, as the ledger says they do
             tag.is_paused, tag.recorded = True, 0
             pool = {"host": "host", "disk": "disk"}.get(tag.policy)
             self.ledger.record(self.owner, name, "device", total, "out", phase)
             if pool:
                 self.ledger.record(self.owner, name, pool, total, "in", phase)
             moved += total
+        if self.device.type == "cpu" and moved >= TRIM_MIN_BYTES:
+            trim_heap()  # the CPU "device" bytes leave the process, as the ledger says they do
         self.last_move_seconds = time.perf_counter() - t0
         return moved
 

@@ -243,8 +243,14 @@ class EmbeddedEngine:
                 self.weight_version = int(version)
 
     def update_weights_from_disk(self, path: str, version: int | None = None) -> None:
+        """``path``: a safetensors file (loaded whole, as SGLang loads a checkpoint) or a disk-delta sync root
+        (the version's delta applied to the weights held now)."""
         from miles.sync.disk_delta import load_version
 
+        if str(path).endswith(".safetensors"):
+            from safetensors.torch import load_file
+
+            return self.update_weights_from_tensor(load_file(str(path)).items(), version)
         # load_version never writes into its input and returns only the tensors that changed
         named = load_version(path, version, self.named_weights(), local_version=self.weight_version, changed_only=True)
         self.update_weights_from_tensor(named.items(), version)

@@ -17,6 +17,7 @@ from miles.policy.advantages import group_advantages
 from miles.rollout.engine import EmbeddedEngine, GenerateRequest, SamplingParams
 from miles.rollout.sample import Sample
 from miles.rollout.tasks import Task
+from miles.threads import init_on_compute_thread, on_compute_thread
 from miles.train.batch import TrainBatch, collate, shard
 
 LEVEL_TAGS = {"kv_cache": ("kv_cache", "cuda_graph"), "weight": ("weights",)}
@@ -29,6 +30,7 @@ class RolloutManager:
     manager.update_weights_from_bucket(handle, None); manager.set_weight_version(step + 1)
     """
 
+    @init_on_compute_thread("rollout-compute")  # built and run on one thread: see miles/threads.py
     def __init__(self, cfg: RunConfig, device: str = "cpu"):
         self.cfg = cfg
         if cfg.num_threads:
@@ -68,6 +70,7 @@ class RolloutManager:
                 samples.append(s)
         return samples
 
+    @on_compute_thread
     def generate(self, step: int) -> tuple[list[TrainBatch], dict]:
         if self.cfg.task.name == "swe":  # agent episodes: these engines behind session servers, a harness (miles.agents)
             from miles.agents.generator import generate_batches
@@ -105,6 +108,7 @@ class RolloutManager:
         pad = self.tokenizer.pad_token_id
         return [collate(part, pad) for part in shard(samples, self.cfg.trainer.world_size)], metrics
 
+    @on_compute_thread
     def sft_batches(self, step: int) -> list[TrainBatch]:
         """Reference answers as train batches (for a supervised warm-up), one per rank."""
         samples = self.make_samples(10_000_000 + step, with_targets=True)
@@ -128,9 +132,11 @@ class RolloutManager:
         return rows
 
     # ---- engine control (the handoff plan and weight sync call these) -------------------------------------
+    @on_compute_thread
     def offload(self, tags) -> int:
         return sum(e.release_memory(list(tags)) for e in self.engines)
 
+    @on_compute_thread
     def onload(self, tags) -> int:
         return sum(e.resume_memory(list(tags)) for e in self.engines)
 
@@ -164,6 +170,10 @@ class RolloutManager:
     def flush_cache(self) -> None:
         for e in self.engines:
             e.flush_cache()
+
+    def update_weights_from_disk(self, path: str, version=None) -> None:
+        for e in self.engines:
+            e.update_weights_from_disk(path, version)
 
     def update_weights_from_bucket(self, handle, version=None) -> None:
         for e in self.engines:
@@ -205,6 +215,13 @@ class RolloutManager:
 
     def named_weights(self, engine: int = 0) -> dict[str, torch.Tensor]:
         return {k: v.clone() for k, v in self.engines[engine].named_weights().items()}
+
+    def weight_version(self) -> int:
+        """The version every engine holds (an engine interface method, as on one engine); raises if they differ."""
+        versions = self.weight_versions()
+        if len(set(versions)) != 1:
+            raise RuntimeError(f"the engines hold different weight versions {versions}; a sync reached only some")
+        return versions[0]
 
     def weight_versions(self) -> list[int]:
         return [e.weight_version for e in self.engines]

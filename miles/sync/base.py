@@ -130,6 +130,22 @@ def byte_view(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8) if t.dim() else t.reshape(1).view(torch.uint8)
 
 
+def host_bytes(t: torch.Tensor):
+    """A numpy uint8 array over a contiguous CPU tensor's bytes, without ``Tensor.numpy()``: exporting a storage to
+    numpy marks it non-resizable for good, and live parameters must stay resizable (TaggedMemory frees them at
+    every offload). The array does not keep ``t`` alive: hold ``t`` while the array is in use."""
+    import ctypes
+
+    import numpy as np
+
+    if t.device.type != "cpu" or not t.is_contiguous():
+        raise ValueError(f"host_bytes needs a contiguous CPU tensor, got {t.device} contiguous={t.is_contiguous()}")
+    n = t.numel() * t.element_size()
+    if n == 0:
+        return np.empty(0, dtype=np.uint8)
+    return np.ctypeslib.as_array((ctypes.c_ubyte * n).from_address(t.data_ptr()))
+
+
 def aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 

@@ -135,7 +135,9 @@ class Baseline:
 def save_baseline(named_tensors: dict[str, torch.Tensor], path: str | os.PathLike, *,
                   checksum_format: str = "xxh3_128") -> Path:
     """Write a single-file safetensors baseline, atomically, with a checksum per tensor in its metadata."""
-    tensors = {name: t.detach().cpu().contiguous() for name, t in named_tensors.items()}
+    # copies: exporting a storage to numpy (the checksum, the writer) marks it non-resizable for good, and a live
+    # parameter's storage must stay resizable (TaggedMemory frees it at every offload)
+    tensors = {name: t.detach().to("cpu", copy=True).contiguous() for name, t in named_tensors.items()}
     metadata = {CHECKSUM_KEY + name: f"{checksum_format}:{checksum(byte_view(t).numpy(), checksum_format)}"
                 for name, t in tensors.items()}
     atomic_write_bytes(path, safetensors.torch.save(tensors, metadata=metadata))

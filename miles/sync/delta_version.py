@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
+from miles.sync.base import host_bytes
 from miles.sync.baseline import MissingTensorError
 from miles.sync.delta_codec import apply_delta, checksum
 from miles.sync.safetensors_dtypes import Layout, check_layout, torch_dtype
@@ -137,7 +138,8 @@ def _apply_tensor(name: str, index: dict, handle, state: dict[str, torch.Tensor]
         payload = handle.get_tensor(name).tobytes()
     except Exception as e:
         raise VersionError(f"version {version}: tensor {name!r} cannot be read from its shard ({e})") from None
-    old = byte_view(local).cpu().numpy()
+    local_bytes = byte_view(local).cpu()  # held while `old` views it
+    old = host_bytes(local_bytes)
     try:
         data = apply_delta(info["encoding"], payload, old, torch_dtype(layout.dtype).itemsize) if layout.nbytes else old
     except ValueError as e:

@@ -30,7 +30,7 @@ import torch.distributed as dist
 import zstandard
 
 from miles.atomic import atomic_write_text, fsync_dir
-from miles.sync.base import call
+from miles.sync.base import call, host_bytes
 from miles.sync.baseline import Baseline, MissingTensorError, save_baseline, trainer_layout
 from miles.sync.collective_errors import CollectiveError, HeldError, RankError, gather_or_raise, raise_together
 from miles.sync.delta_codec import CHECKSUMS, ENCODINGS, TensorEncoder, checksum
@@ -48,6 +48,9 @@ class DiskDeltaConfig:
     root: str  # directory shared by trainer and engines; versions appear as <root>/v00000001/
     baseline: str  # safetensors checkpoint (file or directory) the engines loaded: the first delta's base
     baseline_version: int = 0  # the engines' weight_version while they hold the baseline
+    # no checkpoint to start from (random init): the first update writes the baseline from its tensors, the
+    # engines load it whole, and that version is the baseline version; older versions under root are removed
+    write_baseline: bool = False
     encoding: Literal["xor", "sparse_xor", "overwrite"] = "sparse_xor"  # see miles.sync.delta_codec
     zstd_level: int = 1  # higher levels barely shrink XOR deltas; -1..-7 trade ratio for speed (see the bench)
     zstd_threads: int = 0  # zstd worker threads per rank (0: compress in the calling thread, -1: one per core)
@@ -119,6 +122,7 @@ class DiskDeltaSync:
         self.published_version = config.baseline_version
         self.engines: list = []
         self._baseline: Baseline | None = None
+        self._baseline_written = False
         self._canonical: dict[str, _Canonical] = {}
         self._metrics: dict = {}
         self._compressor = zstandard.ZstdCompressor(level=config.zstd_level, threads=config.zstd_threads)
@@ -126,11 +130,13 @@ class DiskDeltaSync:
     @classmethod
     def from_run_config(cls, cfg, *, group=None) -> "DiskDeltaSync":
         """The transport for a RunConfig. Root: ``sync.disk_delta_dir`` or ``<run_dir>/weights``. Baseline: the
-        checkpoint the engines loaded (``model.checkpoint``); for a random-initialised model, the caller writes
-        ``<root>/baseline.safetensors`` with ``save_baseline(initial weights)`` before the first update."""
+        checkpoint the engines loaded (``model.checkpoint``); for a random-initialised model none exists, so the
+        first update writes ``<root>/baseline.safetensors`` from the weights it is given and the engines load it
+        whole (``write_baseline``); later versions are deltas against it."""
         root = cfg.sync.disk_delta_dir or str(Path(cfg.run_dir) / "weights")
         baseline = cfg.model.checkpoint or str(Path(root) / "baseline.safetensors")
-        return cls(DiskDeltaConfig(root=root, baseline=baseline, check_weights=cfg.sync.check_weights,
+        return cls(DiskDeltaConfig(root=root, baseline=baseline, write_baseline=not cfg.model.checkpoint,
+                                   check_weights=cfg.sync.check_weights,
                                    partition="round_robin" if cfg.trainer.world_size > 1 else "emitted"), group=group)
 
     def connect(self, engines) -> None:
@@ -143,6 +149,8 @@ class DiskDeltaSync:
         """Publish ``version`` and load it into the engines. Four gathers, each reached by every rank with its
         held error: encode -> (dedupe) -> write shards -> rank 0 publishes -> rank 0 updates the engines. Any
         error raises ``CollectiveError`` on every rank; before the publish step nothing is published."""
+        if self.config.write_baseline and not self._baseline_written:
+            return self._publish_baseline(named_tensors, version)
         t0, cpu0, held = time.perf_counter(), time.thread_time(), HeldError()
         step = self._encode_all(named_tensors, version, held)
         t_encode, encode_cpu_s = time.perf_counter(), time.thread_time() - cpu0
@@ -277,6 +285,30 @@ class DiskDeltaSync:
                 self._canonical[name] = _Canonical(e.layout, e.new_bytes, e.digest)
         self.published_version = version
 
+    def _publish_baseline(self, named_tensors, version: int) -> None:
+        """write_baseline: rank 0 writes the canonical baseline (atomically) and the engines load it whole."""
+        t0, held = time.perf_counter(), HeldError()
+        tensors = dict(named_tensors)  # every rank iterates: reading sharded weights may be collective
+        with held:
+            if self.rank == 0:
+                self.root.mkdir(parents=True, exist_ok=True)
+                for old in published_versions(self.root):  # deltas against an earlier baseline
+                    shutil.rmtree(version_dir(self.root, old), ignore_errors=True)
+                save_baseline(tensors, self.config.baseline)
+        gather_or_raise(None, held.error, self.group)
+        self.published_version, self._baseline, self._canonical = version, None, {}
+        self._baseline_written = True
+        if self.rank == 0:
+            for engine in self.engines:
+                _maybe_call(engine, "pause_generation", "in_place")
+                _maybe_call(engine, "flush_cache")
+                try:
+                    call(engine, "update_weights_from_disk", str(self.config.baseline), version)
+                finally:
+                    _maybe_call(engine, "continue_generation")
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        self._metrics = {"bytes": nbytes, "disk_delta/baseline_bytes": nbytes, "seconds": time.perf_counter() - t0}
+
     # -- engine side (rank 0) -----------------------------------------------------------------------------------
 
     def _update_engines(self, version: int, gathered: list[dict]) -> None:
@@ -352,7 +384,8 @@ def check_engine_weights(engine, expected: dict[str, str], version: int, checksu
     for name, digest in expected.items():
         if name not in weights:
             raise MissingTensorError(f"check_weights: {label} has no tensor {name!r} after version {version}")
-        got = checksum(byte_view(weights[name]).cpu().numpy(), checksum_format)
+        engine_bytes = byte_view(weights[name]).cpu()  # held while host_bytes views it (in-process: a live param)
+        got = checksum(host_bytes(engine_bytes), checksum_format)
         if got != digest:
             raise RuntimeError(f"check_weights: {label} tensor {name!r} differs from the trainer's after version "
                                f"{version} (checksum {got} vs {digest})")

@@ -18,6 +18,8 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
+from miles.sync.base import host_bytes
+
 
 def byte_view(tensor: torch.Tensor) -> torch.Tensor:
     """The tensor's bytes as a flat uint8 tensor on its own device (0-d tensors flatten to one element)."""
@@ -64,7 +66,7 @@ class StagingPool:
             for lo in range(0, src.numel(), self.buffer_bytes):
                 n = min(self.buffer_bytes, src.numel() - lo)
                 buf = self._acquire()
-                in_flight.append((lo, n, buf, None if on_device else src[lo:lo + n].numpy(), None))
+                in_flight.append((lo, n, buf, None if on_device else host_bytes(src[lo:lo + n]), None))
                 if on_device:
                     buf[:n].copy_(src[lo:lo + n], non_blocking=self.pin)
                     if src.device.type == "cuda":

@@ -13,6 +13,7 @@ import torch
 
 from miles.config import RunConfig
 from miles.memory import MemoryLedger
+from miles.threads import init_on_compute_thread, on_compute_thread
 
 
 def resolve_device(cfg: RunConfig) -> str:
@@ -26,6 +27,7 @@ class TrainActor:
     actor.connect_sync([rollout_manager]); actor.train(step, batch); actor.offload(tags); actor.update_weights(v)
     """
 
+    @init_on_compute_thread("train-compute")  # built and run on one thread: see miles/threads.py
     def __init__(self, cfg: RunConfig, rank: int, world_size: int, master_addr: str = "127.0.0.1", master_port: int = 0):
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         if cfg.num_threads:
@@ -58,10 +60,12 @@ class TrainActor:
         self.sync = make_sync(self.cfg, self.device, is_source=self.rank == 0)
         self.sync.connect(engines)
 
+    @on_compute_thread
     def update_weights(self, version: int) -> dict:
         self.sync.update(self.backend.named_weights(), version)
         return self.sync.metrics()
 
+    @on_compute_thread
     def train(self, batch, want_log_probs: bool = False) -> tuple[dict, dict]:
         metrics = self.backend.train_step(batch)
         lps = {}
@@ -71,6 +75,7 @@ class TrainActor:
             lps = {idx: lp[i, : lengths[i]].tolist() for i, idx in enumerate(batch.sample_index)}
         return metrics, lps
 
+    @on_compute_thread
     def sft(self, batch, lr: float | None = None) -> dict:
         if lr is not None:
             self.backend.set_lr(lr)
@@ -79,15 +84,18 @@ class TrainActor:
     def set_lr(self, lr: float) -> None:
         self.backend.set_lr(lr)
 
+    @on_compute_thread
     def offload(self, tags) -> int:
         return self.backend.offload(tuple(tags))
 
+    @on_compute_thread
     def onload(self, tags) -> int:
         return self.backend.onload(tuple(tags))
 
     def clear_memory(self) -> None:
         self.backend.clear_memory()
 
+    @on_compute_thread
     def named_weights(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().cpu().clone() for k, v in self.backend.named_weights()}
 
@@ -126,8 +134,14 @@ class TrainGroup:
         port = _free_port()
         n = cfg.trainer.world_size
         cls = ray.remote(TrainActor)
+        opts = {"max_concurrency": 2}  # one slot for a long call, one for the ledger drain / transport self-calls
+        if cfg.sync.transport == "rdt":
+            from miles.sync.rdt import actor_options
+
+            rdt = actor_options(gpus_per_engine=1)  # an embedded engine holds one device
+            opts = rdt | {"max_concurrency": max(opts["max_concurrency"], rdt["max_concurrency"])}
         self.actors = [
-            cls.options(num_cpus=0.01, num_gpus=num_gpus_per_actor, max_concurrency=2,
+            cls.options(num_cpus=0.01, num_gpus=num_gpus_per_actor, **opts,
                         scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group, placement_group_bundle_index=r),
                         runtime_env={"env_vars": {"LOCAL_RANK": str(r) if num_gpus_per_actor else "0"}})
             .remote(cfg, r, n, "127.0.0.1", port)
