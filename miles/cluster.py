@@ -134,7 +134,7 @@ class Cluster:
         from miles.sync.check import check_weights
 
         trainer = self.trainer.call("named_weights")[0]
-        for i in range(self.cfg.rollout.num_engines):
+        for i in range(self.get(self.rollout.engine_count.remote())):
             check_weights(trainer, self.get(self.rollout.named_weights.remote(i)), label=f"engine {i}")
 
     def save_checkpoint(self, run_dir, next_step: int):

@@ -216,6 +216,10 @@ class RolloutManager:
     def named_weights(self, engine: int = 0) -> dict[str, torch.Tensor]:
         return {k: v.clone() for k, v in self.engines[engine].named_weights().items()}
 
+    def engine_count(self) -> int:
+        """Engines this manager drives directly (a Router over N HTTP engines counts as one)."""
+        return len(self.engines)
+
     def weight_version(self) -> int:
         """The version every engine holds (an engine interface method, as on one engine); raises if they differ."""
         versions = self.weight_versions()
