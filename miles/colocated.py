@@ -101,9 +101,13 @@ class Colocated:
         """Create the trainer rank (once): its tags enter the ledger's device pool now."""
         if self.backend is None:
             c = self.cfg
-            self.backend = TorchBackend(c.model, c.trainer, device=self.device, seed=c.seed,
-                                        temperature=c.rollout.temperature, ledger=self.ledger,
-                                        offload_policy=c.handoff.offload_train, disk_dir=self.disk_dir)
+            if c.trainer.backend == "megatron":
+                from miles.train.megatron_backend import MegatronBackend as Backend  # noqa: N814 (GPU only)
+            else:
+                Backend = TorchBackend  # noqa: N806
+            self.backend = Backend(c.model, c.trainer, device=self.device, seed=c.seed,
+                                   temperature=c.rollout.temperature, ledger=self.ledger,
+                                   offload_policy=c.handoff.offload_train, disk_dir=self.disk_dir)
         return self.backend
 
     def held_device_bytes(self) -> int:

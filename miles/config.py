@@ -329,4 +329,9 @@ def apply_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
                 if dataclasses.is_dataclass(hints[part]):
                     raise ValueError(f"{key!r} is a section; set one of its fields, e.g. {key}.{sorted(typing.get_type_hints(hints[part]))[0]}=...")
                 node[part] = _coerce(raw.strip(), hints[part], key)
+    keys = {item.split("=", 1)[0].strip() for item in overrides}
+    m = cfg.model
+    if ({"model.hidden_size", "model.num_attention_heads"} & keys and "model.head_dim" not in keys
+            and m.head_dim == m.hidden_size // m.num_attention_heads):
+        d["model"]["head_dim"] = 0  # it was derived from the old width: derive it again from the new one
     return RunConfig.from_dict(d)

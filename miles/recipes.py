@@ -35,6 +35,9 @@ def trl_parity() -> RunConfig:
         "rollout": {**cfg.to_dict()["rollout"], "num_prompts_per_step": 8, "n_samples_per_prompt": 4, "max_new_tokens": 32,
                     "max_seq_len": 128, "max_batch_size": 32},  # KV cache for the 32 completions, not 128
         "trainer": {**cfg.to_dict()["trainer"], "warmup_sft_steps": 0, "num_minibatches": 1},
+        # trainer and engine fit side by side (3.2M parameters): no handoff, as in TRL; handoff costs are measured
+        # by `miles bench handoff` and the quickstart run
+        "handoff": {**cfg.to_dict()["handoff"], "offload_train": "none", "offload_rollout": False},
     })
 
 
@@ -43,7 +46,7 @@ def h200_100m() -> RunConfig:
     d = quickstart().to_dict()
     d.update(recipe="h200_100m", run_dir="runs/h200_100m", num_steps=20, device="cuda")
     d["model"].update(hidden_size=768, intermediate_size=2048, num_hidden_layers=16, num_attention_heads=12,
-                      num_key_value_heads=4, max_position_embeddings=256, dtype="bfloat16")
+                      num_key_value_heads=4, max_position_embeddings=256, dtype="bfloat16", head_dim=0)  # 0: 64
     d["rollout"].update(num_prompts_per_step=64, n_samples_per_prompt=8, max_new_tokens=16, max_batch_size=512, max_seq_len=64)
     d["trainer"].update(lr=3e-4, warmup_sft_lr=1e-3)
     return RunConfig.from_dict(d)
@@ -116,7 +119,8 @@ def agent_swe() -> RunConfig:
     engine, a local harness, 1.5x oversampling with abort. At this size it runs end to end; it does not learn to fix bugs."""
     d = quickstart().to_dict()
     d.update(recipe="agent_swe", run_dir="runs/agent_swe", num_steps=4, checkpoint_every=0)
-    d["model"].update(hidden_size=64, intermediate_size=192, num_hidden_layers=2, max_position_embeddings=2048)
+    d["model"].update(hidden_size=64, intermediate_size=192, num_hidden_layers=2, max_position_embeddings=2048,
+                      head_dim=0)  # 0: derived from the new width
     d["task"].update(name="swe")
     d["rollout"].update(num_prompts_per_step=4, n_samples_per_prompt=4, max_new_tokens=32, max_batch_size=32, max_seq_len=2048)
     d["trainer"].update(warmup_sft_steps=0, num_minibatches=1)

@@ -48,6 +48,16 @@ def test_disk_delta_with_discarded_engine_weights_is_rejected_and_each_fix_is_ac
     apply_overrides(quickstart(), ["sync.transport=disk-delta", "handoff.offload_rollout_level=kv_cache"])
 
 
+def test_a_derived_head_dim_follows_a_new_width_and_an_explicit_one_stays():
+    base = quickstart().model
+    assert base.head_dim == base.hidden_size // base.num_attention_heads
+    wide = apply_overrides(quickstart(), ["model.hidden_size=256"]).model
+    assert wide.head_dim == 256 // base.num_attention_heads
+    pinned = apply_overrides(quickstart(), ["model.hidden_size=256", "model.head_dim=16"]).model
+    assert pinned.head_dim == 16
+    assert get_recipe("h200_100m").model.head_dim == 64 and get_recipe("agent_swe").model.head_dim == 64 // 4
+
+
 def test_unknown_recipe_lists_the_known_ones():
     with pytest.raises(ValueError, match="unknown recipe 'nope'; available recipes: .*quickstart"):
         get_recipe("nope")
