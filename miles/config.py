@@ -220,6 +220,10 @@ class RunConfig:
                 f"trainer.world_size = {self.trainer.world_size} ranks; make it a multiple")
         if self.trainer.backend == "megatron" and self.device == "cpu":
             raise ValueError("trainer.backend = 'megatron' needs a GPU; use device=cuda or trainer.backend=torch")
+        if self.sync.transport == "broadcast" and self.rollout.engine == "http" and self.rollout.num_engines > 1:
+            raise ValueError("sync.transport = 'broadcast' with rollout.engine = 'http' reaches one engine server (the "
+                             f"group has one receiving rank), not rollout.num_engines = {self.rollout.num_engines}; use "
+                             "sync.transport=tensor or disk-delta, or rollout.num_engines=1")
         h = self.handoff
         if (self.sync.transport == "disk-delta" and h.offload_rollout and "weight" in h.offload_rollout_level
                 and not h.engine_host_mirror):

@@ -198,6 +198,9 @@ class RolloutManager:
     def update_weights_from_distributed(self, names, dtypes, shapes, group_name, version=None) -> None:
         from miles.sync.receiver import receive_broadcast
 
+        if not hasattr(self.engines[0], "weight_receiver"):  # an HTTP engine: its server process is the group member
+            self.engines[0].update_weights_from_distributed(names, dtypes, shapes, group_name, version)
+            return
         receive_broadcast(group_name, names, dtypes, shapes, [e.weight_receiver() for e in self.engines],
                           self.engines[0].device)
         if version is not None:

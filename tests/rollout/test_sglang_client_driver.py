@@ -48,3 +48,13 @@ def test_a_real_sglang_server_generates_and_releases_memory_through_the_client(t
         assert client.weight_version == 3
     finally:
         client.close()
+
+
+@pytest.mark.timeout(240)
+def test_broadcast_reaches_one_http_engine_server_and_more_than_one_is_refused_with_the_fix(tmp_path, ray_session):
+    cfg = tiny_run_cfg(tmp_path, "rollout.engine=http", "rollout.num_engines=1", "sync.transport=broadcast",
+                       "sync.check_weights=true", "num_steps=2", "dump_rollouts=false")
+    rows = train(cfg, progress=False)  # the server process joins the gloo group and receives every tensor
+    assert [r["weight_version"] for r in rows] == [0, 1]
+    with pytest.raises(ValueError, match="use sync.transport=tensor or disk-delta, or rollout.num_engines=1"):
+        tiny_run_cfg(tmp_path, "rollout.engine=http", "rollout.num_engines=2", "sync.transport=broadcast")
