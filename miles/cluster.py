@@ -94,9 +94,10 @@ class Cluster:
         self.pg = placement_group([dict(bundle) for _ in range(cfg.trainer.world_size)], strategy="PACK")
         ray.get(self.pg.ready())
         self.trainer = TrainGroup(cfg, self.pg, num_gpus_per_actor=0.45 * gpu)
-        rdt = {"enable_tensor_transport": True} if cfg.sync.transport == "rdt" else {}  # the engine side of rdt
+        # the engine side of rdt: its receive call waits inside the actor while Ray's transfer needs a second slot
+        rdt = {"enable_tensor_transport": True, "max_concurrency": 2} if cfg.sync.transport == "rdt" else {}
         self.rollout = ray.remote(RolloutManager).options(
-            num_cpus=0.01, num_gpus=0.45 * gpu, max_concurrency=4, **rdt,
+            num_cpus=0.01, num_gpus=0.45 * gpu, **({"max_concurrency": 1} | rdt),  # one thread: see miles/threads.py
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=0),
         ).remote(cfg, self.device)
         self.trainer.call("connect_sync", [self.rollout])

@@ -8,7 +8,7 @@ share the cores; the load average is recorded before each. miles runs through ``
 actors; Ray start-up excluded, generate + handoff + train + weight sync included); TRL runs ``GRPOTrainer.train``
 on CPU and a step is the time between two consecutive optimizer steps (generation + reward + loss + backward + step).
 
-    miles bench trl-parity --json                    # both sides, 8 measured steps after 2 warm-up steps
+    miles bench trl-parity --json                    # both sides twice, alternating; 8 measured steps per block
     miles bench trl-parity --steps 4 --side miles    # one side only
 """
 
@@ -39,16 +39,23 @@ def run(argv: list[str]) -> dict:
     ap.add_argument("--warmup", type=int, default=2, help="RL steps run first and not measured")
     ap.add_argument("--side", choices=("both", "miles", "trl"), default="both")
     ap.add_argument("--timeout", type=int, default=900, help="seconds allowed per side")
+    ap.add_argument("--blocks", type=int, default=2,
+                    help="alternate the sides this many times (miles, TRL, then TRL, miles, ...): load that comes and "
+                         "goes on a shared machine then falls on both sides; medians over every measured step")
     args = ap.parse_args(argv)
     cfg = trl_parity()
     out = {"config": {"model_parameters": cfg.model.num_parameters, "architecture": cfg.model.architecture,
                       "prompts_per_step": cfg.rollout.num_prompts_per_step,
                       "completions_per_step": cfg.rollout.num_prompts_per_step * cfg.rollout.n_samples_per_prompt,
                       "max_new_tokens": cfg.rollout.max_new_tokens, "warmup_steps": args.warmup,
-                      "measured_steps": args.steps, "torch_threads": "all cores (num_threads=0) on both sides"}}
+                      "measured_steps_per_block": args.steps, "blocks": args.blocks, "torch_threads": "all cores (num_threads=0) on both sides"}}
     sides = ("miles", "trl") if args.side == "both" else (args.side,)
+    blocks: dict[str, list[dict]] = {side: [] for side in sides}
+    for b in range(args.blocks):
+        for side in (sides if b % 2 == 0 else sides[::-1]):
+            blocks[side].append(run_side(side, args.steps, args.warmup, args.timeout))
     for side in sides:
-        out[side] = run_side(side, args.steps, args.warmup, args.timeout)
+        out[side] = merge_blocks(blocks[side], args.warmup)
     if len(sides) == 2:
         out["speedup_s_per_step"] = out["trl"]["s_per_step"] / out["miles"]["s_per_step"]
         out["speedup_completions_per_s"] = out["miles"]["completions_per_s"] / out["trl"]["completions_per_s"]
@@ -72,6 +79,21 @@ def run_side(side: str, steps: int, warmup: int, timeout: int) -> dict:
             raise RuntimeError(f"trl-parity {side} side failed (exit {proc.returncode}); stderr tail:\n{proc.stderr[-3000:]}")
         figures = json.loads(result.read_text())
     return {**figures, "loadavg_before": [round(x, 2) for x in load], "process_wall_s": time.perf_counter() - t0}
+
+
+def merge_blocks(blocks: list[dict], warmup: int) -> dict:
+    """One side's figures over all its blocks: medians over every measured step (each block's warm-up dropped)."""
+    steps = [s for b in blocks for s in b["s_per_step_all"][warmup:]]
+    med = statistics.median(steps)
+    per_step = lambda key: statistics.median(b[key] * b["s_per_step"] for b in blocks)  # noqa: E731
+    merged = {"s_per_step": med, "s_per_step_min": min(steps), "measured_steps": len(steps),
+              "completions_per_s": per_step("completions_per_s") / med,
+              "completion_tokens_per_s": per_step("completion_tokens_per_s") / med,
+              "block_s_per_step": [round(b["s_per_step"], 4) for b in blocks], "blocks": blocks}
+    for key in ("mean_completion_tokens", "trl_version", "phase_median_s"):
+        if key in blocks[0]:
+            merged[key] = blocks[0][key]
+    return merged
 
 
 def summarize(step_s: list[float], completions: list[int], tokens: list[int], warmup: int) -> dict:

@@ -134,7 +134,7 @@ class TrainGroup:
         port = _free_port()
         n = cfg.trainer.world_size
         cls = ray.remote(TrainActor)
-        opts = {"max_concurrency": 2}  # one slot for a long call, one for the ledger drain / transport self-calls
+        opts = {"max_concurrency": 1}  # the driver calls one method at a time; more threads cost (miles/threads.py)
         if cfg.sync.transport == "rdt":
             from miles.sync.rdt import actor_options
 

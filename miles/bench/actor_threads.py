@@ -1,0 +1,93 @@
+"""``miles bench actor-threads``: seconds per ``RolloutManager.generate`` in a Ray actor, by where its torch work runs.
+
+Four variants of the same actor, one at a time (the others killed), alternating over ``--rounds``, in one run:
+
+    threaded       max_concurrency=4, no compute thread: each call on whichever pool thread is free
+    hot-only       max_concurrency=4, generate on a dedicated thread, the model built on another
+    built-and-run  max_concurrency=4, built and run on one dedicated thread (what miles does: miles/threads.py)
+    single         max_concurrency=1: construction and every call on the actor's one thread
+
+plus the same ``generate`` in this process (no actor) for reference. Median and fastest call per variant.
+
+    miles bench actor-threads --json                       # the trl_parity rollout (32 x 32 tokens)
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from miles.config import apply_overrides
+from miles.recipes import get_recipe
+from miles.rollout.manager import RolloutManager
+from miles.threads import ComputeThread
+
+
+class _Threaded(RolloutManager):
+    def __init__(self, *args):
+        RolloutManager.__init__.__wrapped__(self, *args)  # built on the thread Ray constructs the actor on
+        self.compute = None  # calls run on Ray's pool threads
+
+
+class _HotOnly(_Threaded):
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.compute = ComputeThread("hot-only")  # generate hops to this one
+
+
+class _BuiltAndRun(RolloutManager):
+    pass  # RolloutManager as shipped: @init_on_compute_thread + @on_compute_thread
+
+
+VARIANTS = {"threaded": (_Threaded, 4), "hot-only": (_HotOnly, 4), "built-and-run": (_BuiltAndRun, 4),
+            "built-and-run-1": (_BuiltAndRun, 1), "single": (_Threaded, 1)}
+
+
+def run(argv: list[str]) -> dict:
+    ap = argparse.ArgumentParser(prog="miles bench actor-threads")
+    ap.add_argument("--json", action="store_true", help="accepted for the CLI; the result is always JSON")
+    ap.add_argument("--recipe", default="trl_parity")
+    ap.add_argument("--calls", type=int, default=6, help="measured calls per variant per round")
+    ap.add_argument("--rounds", type=int, default=2)
+    args = ap.parse_args(argv)
+    import os
+
+    import ray
+
+    from miles.cluster import start_ray
+
+    cfg = apply_overrides(get_recipe(args.recipe), ["run_dir=/tmp/miles-bench-actor-threads"])
+    threads = cfg.num_threads or os.cpu_count() or 1
+    owns = not ray.is_initialized()
+    if owns:
+        start_ray(num_cpus=max(2, os.cpu_count() or 1), threads=threads)
+    times: dict[str, list[float]] = {k: [] for k in [*VARIANTS, "in-process"]}
+    try:
+        for _ in range(args.rounds):
+            for name, (cls, concurrency) in VARIANTS.items():
+                actor = ray.remote(cls).options(num_cpus=0, max_concurrency=concurrency).remote(cfg, "cpu")
+                for step in range(2):  # warm-up
+                    ray.get(actor.generate.remote(step))
+                for step in range(2, 2 + args.calls):
+                    t0 = time.perf_counter()
+                    ray.get(actor.generate.remote(step))
+                    times[name].append(time.perf_counter() - t0)
+                ray.kill(actor)
+                time.sleep(1.0)  # let the killed process go before the next variant starts
+            local = RolloutManager(cfg, "cpu")
+            for step in range(2 + args.calls):
+                t0 = time.perf_counter()
+                local.generate(step)
+                if step >= 2:
+                    times["in-process"].append(time.perf_counter() - t0)
+            del local
+    finally:
+        if owns:
+            ray.shutdown()
+    out = {"recipe": args.recipe, "completions_per_call": cfg.rollout.num_prompts_per_step * cfg.rollout.n_samples_per_prompt,
+           "max_new_tokens": cfg.rollout.max_new_tokens, "torch_threads": threads,
+           "variants": {k: {"median_s": statistics.median(v), "min_s": min(v), "calls": len(v)} for k, v in times.items()}}
+    base = out["variants"]["built-and-run"]["median_s"]
+    out["threaded_over_built_and_run"] = out["variants"]["threaded"]["median_s"] / base
+    return out
