@@ -1,16 +1,20 @@
 """One thread for an actor's torch work, the thread that built its model.
 
-A Ray actor with ``max_concurrency > 1`` runs each call on whichever thread of its pool is free. On the 2-core
-CPU, ``generate`` in a rollout actor with four pool threads took 0.35 s per call against 0.23 s when the
-actor's ``__init__`` and every ``generate`` ran on one dedicated thread (medians of 12 calls per variant, the
-variants alternating in one run; a single-threaded actor: 0.26 s). Moving only ``generate`` to a dedicated thread, with the model
-built on another, gained nothing (0.37 s): what counts is that construction and compute share a thread
-(torch's CPU kernels use OpenMP, which keeps one team of workers per calling thread; glibc keeps one malloc
-arena per thread). ``OMP_WAIT_POLICY=PASSIVE`` is no fix: it made every kernel slower (0.73 s).
+Where an actor's torch work runs changes its speed on a small CPU (``miles bench actor-threads``, 2-core VM,
+``RolloutManager.generate`` of the trl_parity rollout, medians of 20 calls, variants alternating in one run):
 
-So an actor builds itself on a ComputeThread and runs its hot methods there; its other pool threads stay free
-for control calls (abort, pause, ledger drains, transport self-calls) that must be answered while a hot call
-runs.
+    4 pool threads, each call on whichever is free                        0.343 s
+    4 pool threads, generate on a dedicated thread, model built elsewhere 0.313 s
+    4 pool threads, built and run on one dedicated thread                 0.246 s
+    1 pool thread, built and run on a dedicated thread (miles)            0.203 s
+    the same call in-process                                              0.200 s
+
+torch's CPU kernels use OpenMP, which keeps a team of workers per calling thread, and glibc keeps a malloc arena
+per thread; idle pool threads of a threaded Ray actor still cost. ``OMP_WAIT_POLICY=PASSIVE`` is no fix: it made
+every kernel slower (0.73 s). So the actors run with ``max_concurrency=1`` where they can (the rdt transport needs
+a second slot on both sides) and build themselves on a ComputeThread that also runs their hot methods: with a
+second slot, the other thread stays free for the calls that must be answered while a hot call runs (transport
+self-calls, a receive's transfer).
 
     class RolloutManager:
         @init_on_compute_thread("rollout-compute")
