@@ -134,4 +134,6 @@ def test_a_huge_dump_streams_without_being_loaded_whole(tmp_path):
             tracemalloc.stop()
     assert total == size > 26 * n
     assert chunks > 10
-    assert peak < size / 4, f"peak {peak} bytes traced while streaming {size} bytes"
+    # loading the dump whole would trace at least its size (parsing it, several times that); streaming traces a few
+    # chunks plus whatever the server's other threads allocate meanwhile (measured 2.9-3.6 MB of 14.2 MB)
+    assert peak < size / 2, f"peak {peak} bytes traced while streaming {size} bytes"
