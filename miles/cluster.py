@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 import os
 
-
 from miles.config import RunConfig
 from miles.handoff import TRAIN_ALL, Step
 from miles.train.actor import TrainGroup, resolve_device
