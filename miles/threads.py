@@ -10,8 +10,8 @@ Where an actor's torch work runs changes its speed on a small CPU (``miles bench
     the same call in-process                                              0.200 s
 
 torch's CPU kernels use OpenMP, which keeps a team of workers per calling thread, and glibc keeps a malloc arena
-per thread; idle pool threads of a threaded Ray actor still cost. ``OMP_WAIT_POLICY=PASSIVE`` is no fix: it made
-every kernel slower (0.73 s). So the actors run with ``max_concurrency=1`` where they can (the rdt transport needs
+per thread; idle pool threads of a threaded Ray actor still cost. (``OMP_WAIT_POLICY=PASSIVE``, tried once by
+hand, slowed every kernel instead.) So the actors run with ``max_concurrency=1`` where they can (the rdt transport needs
 a second slot on both sides) and build themselves on a ComputeThread that also runs their hot methods: with a
 second slot, the other thread stays free for the calls that must be answered while a hot call runs (transport
 self-calls, a receive's transfer).
