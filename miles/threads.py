@@ -59,9 +59,6 @@ class ComputeThread:
             return fn(*args, **kwargs)
         return self._pool.submit(fn, *args, **kwargs).result()
 
-    def close(self) -> None:
-        self._pool.shutdown(wait=False)
-
 
 def actor_compute_thread(name: str = "compute") -> ComputeThread | None:
     """A ComputeThread when called inside a Ray actor, else None (marked methods then run inline)."""
