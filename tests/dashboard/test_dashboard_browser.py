@@ -233,7 +233,8 @@ def test_follow_mode_shows_new_steps_and_metrics_live(browser, tmp_path):
         assert p.inner_text("#live") == "● live"
         run.append_metrics({"step": 2, "reward": 0.7})
         RolloutDumpWriter(run_dir=tmp_path).write_step(2, synthetic_step(2, num_groups=2, group_size=2))
-        p.wait_for_selector("#step-select option[value='2']", state="attached", timeout=30_000)  # generous: a loaded 2-core CI box
+        # 30 s: the follow poll is quick, but a loaded 2-core CI box is slow to repaint (10 s timed out once)
+        p.wait_for_selector("#step-select option[value='2']", state="attached", timeout=30_000)
         p.wait_for_selector("#rollout-table tr[data-row='3']", timeout=30_000)  # the table follows the newest step
         p.click("#tabs button[data-tab='metrics']")
         p.wait_for_function("document.querySelector(\".card[data-metric='reward'] .title span\").innerText === '0.7'")
