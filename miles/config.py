@@ -105,6 +105,7 @@ class SyncConfig:
     disk_delta_dir: str = ""  # for transport = "disk-delta"; "" = <run_dir>/weights
     engine_staging: Literal["shadow", "direct"] = "shadow"  # shadow: a failed sync leaves the old weights (+1 copy in engine memory)
     rdt_transport: Literal["auto", "nixl", "cuda_ipc", "nccl", "gloo"] = "auto"  # auto: nixl if installed, else cuda_ipc on GPU, gloo on CPU
+    source: Literal["bucket", "in_place"] = "bucket"  # tensor / rdt (cuda_ipc, gloo): staged buckets, or the trainer's own tensors
 
     def __post_init__(self):
         if self.update_weight_buffer_size < 1 << 10:
@@ -113,6 +114,14 @@ class SyncConfig:
             raise ValueError(f"sync.engine_staging = {self.engine_staging!r}; use 'shadow' (failure-safe) or 'direct' (no extra copy)")
         if self.rdt_transport not in ("auto", "nixl", "cuda_ipc", "nccl", "gloo"):
             raise ValueError(f"sync.rdt_transport = {self.rdt_transport!r}; use auto, nixl, cuda_ipc, nccl or gloo")
+        if self.source not in ("bucket", "in_place"):
+            raise ValueError(f"sync.source = {self.source!r}; use 'bucket' (staged copies) or 'in_place' (engines read the "
+                             "trainer's tensors through handles opened once)")
+        if self.source == "in_place" and not (self.transport == "tensor" or
+                                              (self.transport == "rdt" and self.rdt_transport in ("cuda_ipc", "gloo"))):
+            raise ValueError(f"sync.source = 'in_place' is a mode of the tensor transport and of rdt over cuda_ipc or gloo, "
+                             f"not of {self.transport!r} (rdt_transport {self.rdt_transport!r}); set sync.transport=tensor, "
+                             "sync.rdt_transport=cuda_ipc, or sync.source=bucket")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -225,6 +234,18 @@ class RunConfig:
                              f"group has one receiving rank), not rollout.num_engines = {self.rollout.num_engines}; use "
                              "sync.transport=tensor or disk-delta, or rollout.num_engines=1")
         h = self.handoff
+        if self.sync.source == "in_place":
+            why = []
+            if h.offload_train != "none":
+                why.append(f"handoff.offload_train = {h.offload_train!r} (an engine holding a handle keeps the trainer's "
+                           "memory alive, so the offload would free nothing): set handoff.offload_train=none")
+            if self.trainer.world_size > 1:
+                why.append(f"trainer.world_size = {self.trainer.world_size} (FSDP gathers new full tensors every sync)")
+            if self.rollout.engine == "http":
+                why.append("rollout.engine = 'http' (engine servers take buckets)")
+            if why:
+                raise ValueError("sync.source = 'in_place' needs the trainer's weights resident at fixed addresses and "
+                                 f"embedded engines; {'; '.join(why)}; or use sync.source=bucket")
         if (self.sync.transport == "disk-delta" and h.offload_rollout and "weight" in h.offload_rollout_level
                 and not h.engine_host_mirror):
             raise ValueError("sync.transport = 'disk-delta' applies each version as a delta to the engine's weights, "

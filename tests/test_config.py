@@ -48,6 +48,22 @@ def test_disk_delta_with_discarded_engine_weights_is_rejected_and_each_fix_is_ac
     apply_overrides(quickstart(), ["sync.transport=disk-delta", "handoff.offload_rollout_level=kv_cache"])
 
 
+@pytest.mark.parametrize("overrides, message", [
+    (["sync.source=in_place"], "handoff.offload_train = 'host' (an engine holding a handle keeps the trainer's memory "
+                               "alive, so the offload would free nothing): set handoff.offload_train=none"),
+    (["sync.source=in_place", "handoff.offload_train=none", "trainer.world_size=2"], "trainer.world_size = 2 (FSDP"),
+    (["sync.source=in_place", "handoff.offload_train=none", "rollout.engine=http"], "rollout.engine = 'http'"),
+    (["sync.source=in_place", "sync.transport=rdt"], "not of 'rdt' (rdt_transport 'auto')"),
+    (["sync.source=in_place", "sync.transport=broadcast"], "not of 'broadcast'"),
+    (["sync.source=shared"], "sync.source = 'shared' is not one of ['bucket', 'in_place']"),
+])
+def test_in_place_weight_sync_is_refused_where_the_trainer_weights_move_or_the_engines_cannot_open_them(overrides, message):
+    with pytest.raises(ValueError) as e:
+        apply_overrides(quickstart(), overrides)
+    assert message in str(e.value)
+    assert apply_overrides(quickstart(), ["sync.source=in_place", "handoff.offload_train=none"]).sync.source == "in_place"
+
+
 def test_a_derived_head_dim_follows_a_new_width_and_an_explicit_one_stays():
     base = quickstart().model
     assert base.head_dim == base.hidden_size // base.num_attention_heads

@@ -64,10 +64,14 @@ def test_a_reward_function_that_raises_stops_with_a_clear_error_and_keeps_comple
     assert [r["step"] for r in _metrics(cfg) if "step" in r] == [0]
 
 
-@pytest.mark.parametrize("transport", ["broadcast", "rdt", "disk-delta"])
+EXTRA = {"disk-delta": ["handoff.engine_host_mirror=true"],  # deltas need the base weights
+         "tensor": ["sync.source=in_place", "handoff.offload_train=none"]}  # the trainer's weights stay put
+
+
+@pytest.mark.parametrize("transport", ["broadcast", "rdt", "disk-delta", "tensor"], ids=["broadcast", "rdt", "disk-delta",
+                                                                                         "tensor-in-place"])
 def test_every_transport_carries_the_loop_and_the_engine_matches_the_trainer_after_each_sync(tmp_path, ray_session, transport):
-    keep = ["handoff.engine_host_mirror=true"] if transport == "disk-delta" else []  # deltas need the base weights
     cfg = tiny_run_cfg(tmp_path, f"sync.transport={transport}", "sync.check_weights=true", "num_steps=2",
-                       "checkpoint_every=0", *keep)
+                       "checkpoint_every=0", *EXTRA.get(transport, []))
     rows = train(cfg, progress=False)  # check_weights raises WeightMismatch after a sync that lost a byte
     assert [r["step"] for r in rows] == [0, 1] and all(r["weight_version"] == r["step"] for r in rows)

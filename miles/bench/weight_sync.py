@@ -9,7 +9,8 @@ trainer's after the last one (bit-equal below ``--check-max-mib``, per-tensor fi
 Ceilings measured in the same run on the same bytes: ``copy`` (one flat device copy in one process: on CPU
 memcpy, on CUDA a device-to-device copy) and, on CUDA, ``host-staged`` (the ``tensor`` transport with its
 staging buffers in shared host memory: device -> host -> device). ``tensor`` and ``rdt`` copy every byte
-twice (into the staging bucket, out of it into the engine), ``:shadow`` staging once more at commit.
+twice (into the staging bucket, out of it into the engine), ``tensor:in-place`` once (the engine reads the
+trainer's tensors through handles opened at the warm-up sync), ``:shadow`` staging once more at commit.
 
     miles bench weight-sync --json                                     # CPU: 8/32/128 MiB, all transports
     miles bench weight-sync --json                                     # CUDA: 256 MiB / 1 / 4 GiB on one shared GPU
@@ -38,16 +39,21 @@ WIDTH = {  # decoder width per device; the layer count is chosen to reach the ta
 TRANSPORTS = {  # variant -> (transport, engine staging, extra)
     "tensor": ("tensor", "direct", {}),
     "tensor:shadow": ("tensor", "shadow", {}),
+    "tensor:in-place": ("tensor", "direct", {"source": "in_place"}),
+    "tensor:in-place:shadow": ("tensor", "shadow", {"source": "in_place"}),
     "broadcast": ("broadcast", "direct", {}),
     "rdt": ("rdt", "direct", {}),
     "rdt:shadow": ("rdt", "shadow", {}),
+    "rdt:in-place": ("rdt", "direct", {"source": "in_place"}),
     "host-staged": ("tensor", "direct", {"staging_device": "cpu"}),
     "disk-delta": ("disk-delta", "direct", {}),
 }
 # rdt over gloo comes last: its Ray collective group makes the trainer process a torch.distributed world of 2,
 # which a transport that gathers over the default group (disk-delta) would then wait on forever.
-DEFAULTS = {"cpu": ["tensor", "tensor:shadow", "broadcast", "disk-delta", "rdt", "rdt:shadow"],
-            "cuda": ["tensor", "tensor:shadow", "rdt", "rdt:shadow", "host-staged"]}  # NCCL cannot pair two ranks on one GPU
+DEFAULTS = {"cpu": ["tensor", "tensor:shadow", "tensor:in-place", "tensor:in-place:shadow", "broadcast", "disk-delta", "rdt",
+                    "rdt:shadow", "rdt:in-place"],
+            "cuda": ["tensor", "tensor:shadow", "tensor:in-place", "tensor:in-place:shadow", "rdt", "rdt:shadow",
+                     "rdt:in-place", "host-staged"]}  # NCCL cannot pair two ranks on one GPU
 
 
 def _parse(argv: list[str], cuda: bool) -> argparse.Namespace:
@@ -91,8 +97,16 @@ class Trainer:
         from miles.config import SyncConfig
 
         transport, staging, extra = TRANSPORTS[variant]
-        cfg = SyncConfig(transport=transport, update_weight_buffer_size=bucket_bytes, engine_staging=staging)
-        if transport == "tensor":
+        extra = dict(extra)
+        source = extra.pop("source", "bucket")
+        rdt = "cuda_ipc" if self.device == "cuda" else "gloo"  # what auto picks without NIXL, named for in_place
+        cfg = SyncConfig(transport=transport, update_weight_buffer_size=bucket_bytes, engine_staging=staging,
+                         source=source, rdt_transport=rdt if transport == "rdt" else "auto")
+        if cfg.source == "in_place" and transport == "tensor":
+            from miles.sync.in_place import InPlaceSync
+
+            sync = InPlaceSync(cfg, self.device)
+        elif transport == "tensor":
             from miles.sync.tensor import TensorSync
 
             sync = TensorSync(cfg, self.device, **extra)

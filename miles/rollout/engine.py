@@ -322,6 +322,20 @@ class EmbeddedEngine:
         if version is not None:
             self.set_weight_version(version)
 
+    def update_weights_in_place(self, shared, version: int) -> None:
+        """One whole update read from the trainer's own tensors (miles.sync.in_place): handles opened once and
+        kept, the bytes copied once, committed with ``version``; on failure the update is aborted."""
+        from miles.sync.in_place import OpenedWeights, receive_in_place
+
+        if getattr(self, "_in_place", None) is None:
+            self._in_place = OpenedWeights()
+        self.pause_generation()
+        try:
+            receive_in_place(shared, self._in_place, [self])
+            self.set_weight_version(version)
+        finally:
+            self.continue_generation()
+
     def named_weights(self) -> dict[str, torch.Tensor]:
         return {k: v.detach() for k, v in self.model.hf_state_dict().items()}
 

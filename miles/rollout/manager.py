@@ -216,6 +216,21 @@ class RolloutManager:
         if version is not None:
             self.set_weight_version(version)
 
+    def update_weights_in_place(self, shared, version: int) -> None:
+        """The trainer's tensors opened once for this process and copied into every engine (miles.sync.in_place)."""
+        from miles.sync.in_place import OpenedWeights, receive_in_place
+
+        if getattr(self, "_in_place", None) is None:
+            self._in_place = OpenedWeights()
+        for e in self.engines:
+            e.pause_generation()
+        try:
+            receive_in_place(shared, self._in_place, self.engines)
+            self.set_weight_version(version)
+        finally:
+            for e in self.engines:
+                e.continue_generation()
+
     def named_weights(self, engine: int = 0) -> dict[str, torch.Tensor]:
         return {k: v.clone() for k, v in self.engines[engine].named_weights().items()}
 

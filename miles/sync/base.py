@@ -299,8 +299,7 @@ class BucketSync:
             self._each("begin_weight_update", manifest, only_transactional=True)
             t = timer.add("begin", t0)
             self._start(timer)
-            for i, pieces in enumerate(plan_buckets(named, self.cfg.update_weight_buffer_size, self.group_of,
-                                                    split=self.split)):
+            for i, pieces in enumerate(plan_buckets(named, self._bucket_bytes(), self.group_of, split=self.split)):
                 self._send(i, pieces, timer)
                 timer.nbytes += sum(p.nbytes for p in pieces)
                 timer.buckets += 1
@@ -323,6 +322,9 @@ class BucketSync:
         pass
 
     # ---- for subclasses ------------------------------------------------------------------------------------
+    def _bucket_bytes(self) -> int:
+        return self.cfg.update_weight_buffer_size
+
     def _start(self, timer: SyncTimer) -> None:
         pass
 

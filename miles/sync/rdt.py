@@ -15,6 +15,10 @@ whose ``update_weights_from_rdt`` receives the tensors pulled by Ray. A set larg
 sequential rounds; a group larger than the bucket is cut into pieces the engine assembles before applying
 (a fused parameter waits for all its shards); the version is set after the last pull.
 
+``sync.source=in_place`` (cuda_ipc, gloo): no bucket; the round is the trainer's weight tensors themselves, all
+in one round, so the engines copy each byte once (over cuda_ipc they map the trainer's memory; the same
+conditions as the tensor transport's in-place mode apply: weights resident at fixed addresses).
+
 Actor requirements (see ``actor_options``): the trainer ``max_concurrency >= 1 + gpus_per_engine``: its
 ``update_weights`` call holds one slot while the publishing self-calls need others; ``enable_tensor_transport=True``
 on both sides gives transfers their own ``_ray_system`` concurrency group (without it they queue in the default
@@ -40,7 +44,7 @@ import uuid
 import torch
 
 from miles.config import SyncConfig
-from miles.sync.base import BucketSync, Piece, SyncTimer, fused_group, is_actor, layout, submit, wait
+from miles.sync.base import BucketSync, Piece, PieceMeta, SyncTimer, fused_group, is_actor, layout, submit, wait
 from miles.sync.flat_bucket import alloc_exportable
 
 log = logging.getLogger(__name__)
@@ -88,6 +92,13 @@ class RDTSync(BucketSync):
         self.bucket: torch.Tensor | None = None
         self.me = None
         self.comm, self._owns_comm = None, False
+        self.in_place = getattr(cfg, "source", "bucket") == "in_place"
+        if self.in_place:
+            if self.transport not in ("cuda_ipc", "gloo"):
+                raise ValueError(f"rdt with sync.source=in_place publishes the trainer's own tensors; over "
+                                 f"{self.transport!r} use sync.source=bucket (registered buckets), or rdt_transport=cuda_ipc")
+            self.split = False  # whole tensors, one round: nothing is staged, so no bucket bounds it
+        self._round: list[torch.Tensor] = []
 
     def connect(self, engines: list) -> None:
         super().connect(engines)
@@ -102,11 +113,17 @@ class RDTSync(BucketSync):
         _check_actor(self.me, min(self.timeout_s, 30.0))
         if self.transport in TWO_SIDED:
             self.comm, self._owns_comm = _collective_group([self.me] + self.engines, self.transport)
-        self.bucket = alloc_exportable(self.cfg.update_weight_buffer_size, self.device)
-        _probe_registration(self.bucket, self.transport)
+        if not self.in_place:
+            self.bucket = alloc_exportable(self.cfg.update_weight_buffer_size, self.device)
+            _probe_registration(self.bucket, self.transport)
         _SOURCES[self.sync_id] = self
 
+    def _bucket_bytes(self) -> int:
+        return 1 << 62 if self.in_place else self.cfg.update_weight_buffer_size
+
     def _send(self, index: int, pieces: list[Piece], timer: SyncTimer) -> None:
+        if self.in_place:
+            return self._send_in_place(pieces, timer)
         t = time.perf_counter()
         metas, total = layout(pieces)
         for p, m in zip(pieces, metas):
@@ -117,6 +134,24 @@ class RDTSync(BucketSync):
         ref = self.me.__ray_call__.options(tensor_transport=self.transport).remote(_publish, self.sync_id, total)
         recvs = [submit(e, "update_weights_from_rdt", ref, metas) for e in self.engines]
         wait(recvs, timeout=self.timeout_s)  # the bucket is reused next round: every engine must have pulled
+        timer.add("pull", t)
+
+    def _send_in_place(self, pieces: list[Piece], timer: SyncTimer) -> None:
+        """The round is the trainer's tensors themselves: over cuda_ipc the engines map them (torch keeps the
+        mapping of a storage opened before, see receive_rdt) and copy once; over gloo they are sent as they are."""
+        t = time.perf_counter()
+        bad = [f"{p.name} ({p.tensor.device}, contiguous={p.tensor.is_contiguous()})" for p in pieces
+               if not p.tensor.is_contiguous() or p.tensor.device.type != self.device.type]
+        if bad:
+            raise ValueError(f"rdt in place sends the trainer's tensors as they are: contiguous, on {self.device.type}; "
+                             f"got {bad[:3]}: use sync.source=bucket")
+        self._round = [p.tensor.detach() for p in pieces]
+        metas = [PieceMeta(p.name, 0, p.nbytes) for p in pieces]
+        if any(x.is_cuda for x in self._round):
+            torch.cuda.current_stream().synchronize()
+        ref = self.me.__ray_call__.options(tensor_transport=self.transport).remote(_publish_round, self.sync_id)
+        wait([submit(e, "update_weights_from_rdt", ref, metas) for e in self.engines], timeout=self.timeout_s)
+        self._round = []
         timer.add("pull", t)
 
     def close(self) -> None:
@@ -134,6 +169,11 @@ class RDTSync(BucketSync):
 def _publish(actor, sync_id: str, nbytes: int) -> list[torch.Tensor]:
     """Runs on the trainer actor (through ``__ray_call__``): the staged round, as an RDT object's tensors."""
     return [_SOURCES[sync_id].bucket[: max(nbytes, 1)]]
+
+
+def _publish_round(actor, sync_id: str) -> list[torch.Tensor]:
+    """Runs on the trainer actor: an in-place round, the trainer's tensors as an RDT object."""
+    return list(_SOURCES[sync_id]._round)
 
 
 def _ping(actor) -> bool:

@@ -276,9 +276,17 @@ _LAST_RDT: list = []
 
 
 def receive_rdt(tensors: list[torch.Tensor], pieces: list[PieceMeta], receivers: list[WeightReceiver]) -> None:
-    """One RDT round (``tensors == [flat uint8 bucket]``). The last round's tensors are kept: over cuda_ipc they map
-    the trainer's bucket, and holding them keeps torch's IPC mapping open for the next round and sync."""
-    if len(tensors) != 1 or tensors[0].dtype != torch.uint8:
-        raise ReceiveError(f"an RDT round is one flat uint8 bucket; got {[(t.dtype, tuple(t.shape)) for t in tensors]}")
-    receive_flat(tensors[0], pieces, receivers)
+    """One RDT round: ``[flat uint8 bucket]`` with pieces at offsets in it, or (``sync.source=in_place``) the
+    trainer's tensors themselves, one per piece. The last round's tensors are kept: over cuda_ipc they map the
+    trainer's memory, and holding them keeps torch's IPC mapping open for the next round and sync."""
+    if len(tensors) == 1 and tensors[0].dtype == torch.uint8 and tensors[0].dim() == 1:
+        receive_flat(tensors[0], pieces, receivers)
+    elif len(tensors) == len(pieces) and all(t.is_contiguous() and t.numel() * t.element_size() == m.nbytes
+                                             for t, m in zip(tensors, pieces)):
+        items = [(m, byte_view(t)) for m, t in zip(pieces, tensors)]
+        for r in receivers:
+            r.receive(items)
+    else:
+        raise ReceiveError(f"an RDT round is one flat uint8 bucket or one whole tensor per piece; got {len(tensors)} "
+                           f"tensors {[(t.dtype, tuple(t.shape)) for t in tensors[:3]]} for {len(pieces)} pieces")
     _LAST_RDT[:] = tensors

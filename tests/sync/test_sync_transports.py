@@ -13,7 +13,7 @@ from miles.sync.check import check_weights, weights_differ
 from tests.conftest import tiny_run_cfg
 
 BUCKET = 4096  # bytes: smaller than most tensors of the tiny model, so rdt goes in many rounds
-TRANSPORTS = ["tensor", "broadcast", "rdt"]
+TRANSPORTS = ["tensor", "tensor:in_place", "broadcast", "rdt", "rdt:in_place"]  # transport[:sync.source]
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +45,10 @@ def _use(actor, transport: str, engines) -> None:
 
     syncs = actor.__dict__.setdefault("_syncs", {})
     if transport not in syncs:
-        cfg = replace(actor.cfg, sync=replace(actor.cfg.sync, transport=transport))
+        name, _, source = transport.partition(":")
+        cfg = replace(actor.cfg, sync=replace(actor.cfg.sync, transport=name, source=source or "bucket",
+                                              rdt_transport="gloo" if name == "rdt" else "auto"),
+                      handoff=replace(actor.cfg.handoff, offload_train="none" if source else actor.cfg.handoff.offload_train))
         syncs[transport] = make_sync(cfg, "cpu", is_source=True)
         syncs[transport].connect(engines)
     actor.sync = syncs[transport]
@@ -132,6 +135,35 @@ def test_a_transport_failure_mid_sync_leaves_the_engine_serving_its_previous_ver
     assert batches
     ray.get(trainer.update_weights.remote(32))  # and the next sync goes through
     check_weights(ray.get(trainer.named_weights.remote()), ray.get(engine.named_weights.remote()))
+
+
+def _move_a_storage(actor) -> None:
+    """What a trainer that reallocates a weight does: the same parameter, its bytes somewhere new."""
+    p = next(actor.backend.model.parameters())
+    p.data = p.data.clone()
+
+
+def test_in_place_opens_handles_once_and_again_only_after_a_trainer_storage_moves(actors):
+    ray, trainer, engine = actors
+    ray.get(trainer.__ray_call__.remote(_use, "tensor:in_place", [engine]))
+    exports = []
+    for version, move in [(40, False), (41, False), (42, True), (43, False)]:
+        if move:
+            ray.get(trainer.__ray_call__.remote(_move_a_storage))
+        ray.get(trainer.__ray_call__.remote(_perturb, version))
+        exports.append(ray.get(trainer.update_weights.remote(version))["sync/exports"])
+        check_weights(ray.get(trainer.named_weights.remote()), ray.get(engine.named_weights.remote()))
+    assert [e - exports[0] for e in exports] == [0, 0, 1, 1]
+    assert ray.get(engine.weight_versions.remote()) == [43]
+
+
+def test_an_engine_asked_for_handles_it_never_opened_refuses_instead_of_reading_stale_memory():
+    from miles.sync.base import WeightManifest
+    from miles.sync.in_place import OpenedWeights, SharedWeights
+    from miles.sync.receiver import ReceiveError
+
+    with pytest.raises(ReceiveError, match="the trainer must send the handles again"):
+        OpenedWeights().get(SharedWeights("abc", WeightManifest(()), None))
 
 
 @pytest.mark.parametrize("options", [dict(enable_tensor_transport=True, max_concurrency=1),
