@@ -8,6 +8,7 @@ import os
 
 from miles.config import RunConfig
 from miles.handoff import TRAIN_ALL, Step
+from miles.threads import actor_options
 from miles.train.actor import TrainGroup, resolve_device
 
 log = logging.getLogger("miles")
@@ -94,9 +95,10 @@ class Cluster:
         ray.get(self.pg.ready())
         self.trainer = TrainGroup(cfg, self.pg, num_gpus_per_actor=0.45 * gpu)
         # the engine side of rdt: its receive call waits inside the actor while Ray's transfer needs a second slot
-        rdt = {"enable_tensor_transport": True, "max_concurrency": 2} if cfg.sync.transport == "rdt" else {}
+        rdt = cfg.sync.transport == "rdt"
         self.rollout = ray.remote(RolloutManager).options(
-            num_cpus=0.01, num_gpus=0.45 * gpu, **({"max_concurrency": 1} | rdt),  # one thread: see miles/threads.py
+            num_cpus=0.01, num_gpus=0.45 * gpu, **actor_options(2 if rdt else 1),  # one torch thread: miles/threads.py
+            **({"enable_tensor_transport": True} if rdt else {}),
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=0),
         ).remote(cfg, self.device)
         self.trainer.call("connect_sync", [self.rollout])

@@ -1,20 +1,25 @@
-"""One thread for an actor's torch work, the thread that built its model.
+"""One thread for an actor's torch work: one OpenMP team per process.
 
-Where an actor's torch work runs changes its speed on a small CPU (``miles bench actor-threads``, 2-core VM,
-``RolloutManager.generate`` of the trl_parity rollout, medians of 20 calls, variants alternating in one run):
+torch's CPU kernels use OpenMP, and OpenMP keeps a team of worker threads per calling thread. While a process
+has one team, its idle workers spin and the next kernel starts at once; once a second thread has run a parallel
+kernel, libgomp sees more workers than cores and puts idle workers to sleep, so every kernel pays a wake-up.
+Measured on the 2-core VM (a 32x256 @ 256x768 matmul in a Ray actor): 110 us while only the actor's thread has
+used torch, 220 us on either thread once a second one has, for the life of the process.
 
-    4 pool threads, each call on whichever is free                        0.343 s
-    4 pool threads, generate on a dedicated thread, model built elsewhere 0.313 s
-    4 pool threads, built and run on one dedicated thread                 0.246 s
-    1 pool thread, built and run on a dedicated thread (miles)            0.203 s
-    the same call in-process                                              0.200 s
+So an actor's torch work stays on one thread:
 
-torch's CPU kernels use OpenMP, which keeps a team of workers per calling thread, and glibc keeps a malloc arena
-per thread; idle pool threads of a threaded Ray actor still cost. (``OMP_WAIT_POLICY=PASSIVE``, tried once by
-hand, slowed every kernel instead.) So the actors run with ``max_concurrency=1`` where they can (the rdt transport needs
-a second slot on both sides) and build themselves on a ComputeThread that also runs their hot methods: with a
-second slot, the other thread stays free for the calls that must be answered while a hot call runs (transport
-self-calls, a receive's transfer).
+- ``max_concurrency=1`` (the default for miles' actors): Ray runs the constructor and every call on the
+  worker's main thread, which is the one thread; nothing hops. ``actor_options(1)``.
+- ``max_concurrency > 1`` (the rdt transport needs a second slot on both sides: transfers and self-calls run
+  while a hot call waits): calls arrive on Ray's pool threads, so the constructor and the hot methods run on a
+  ComputeThread instead. ``actor_options(n)`` marks the actor for that through its environment.
+
+``miles bench actor-threads`` (the trl_parity rollout's ``generate``, a weight read on Ray's thread between
+calls as in the RL loop; 2-core VM, medians of 15 calls, variants alternating in one run): everything on Ray's
+one thread 0.234 s, the same as in-process (0.234 s); built and run on a compute thread of a single-threaded
+actor 0.350 s; of a max_concurrency=4 actor 0.343 s; on whichever pool thread is free 0.391 s. In the RL loop
+(trl_parity, 3 paired runs) moving single-threaded actors off their compute thread took a step from 0.59-0.74 s
+to 0.54-0.55 s.
 
     class RolloutManager:
         @init_on_compute_thread("rollout-compute")
@@ -23,8 +28,9 @@ self-calls, a receive's transfer).
         @on_compute_thread
         def generate(self, step): ...
 
-In-process (a notebook's Colocated, a test) there is no pool to hop between and a second thread would only add
-a second OpenMP team next to the caller's: outside a Ray actor both decorators run the method inline.
+    ray.remote(RolloutManager).options(**actor_options(max_concurrency=2), ...)
+
+In-process (a notebook's Colocated, a test) both decorators run the method inline.
 
 Only methods that never wait for another call of the same actor may be marked: a marked method that blocks until
 a second marked call runs would wait forever (the second call queues behind it). A marked method called from the
@@ -60,12 +66,26 @@ class ComputeThread:
         return self._pool.submit(fn, *args, **kwargs).result()
 
 
+COMPUTE_THREAD_ENV = "MILES_COMPUTE_THREAD"  # "1" in the environment of an actor created with max_concurrency > 1
+
+
+def actor_options(max_concurrency: int = 1, env_vars: dict | None = None) -> dict:
+    """Ray actor options for a class with marked methods: ``max_concurrency`` and, above 1, the environment flag
+    that gives it a ComputeThread (merged into ``env_vars``, which are the actor's own, e.g. LOCAL_RANK)."""
+    env = dict(env_vars or {})
+    if max_concurrency > 1:
+        env[COMPUTE_THREAD_ENV] = "1"
+    return {"max_concurrency": max_concurrency, **({"runtime_env": {"env_vars": env}} if env else {})}
+
+
 def actor_compute_thread(name: str = "compute") -> ComputeThread | None:
-    """A ComputeThread when called inside a Ray actor, else None (marked methods then run inline)."""
+    """A ComputeThread inside a Ray actor created with ``actor_options(n > 1)``, else None (marked methods run
+    inline: in a single-threaded actor that is Ray's one thread)."""
+    import os
     import sys
 
     ray = sys.modules.get("ray")
-    if ray is None or not ray.is_initialized():
+    if os.environ.get(COMPUTE_THREAD_ENV) != "1" or ray is None or not ray.is_initialized():
         return None
     try:
         return ComputeThread(name) if ray.get_runtime_context().get_actor_id() else None
@@ -74,7 +94,7 @@ def actor_compute_thread(name: str = "compute") -> ComputeThread | None:
 
 
 def init_on_compute_thread(name: str):
-    """Decorate ``__init__``: inside a Ray actor, create ``self.compute`` and run the constructor on it."""
+    """Decorate ``__init__``: inside a threaded actor, create ``self.compute`` and run the constructor on it."""
 
     def wrap(init):
         @functools.wraps(init)

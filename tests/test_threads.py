@@ -1,10 +1,11 @@
-"""Actors build their model and run their hot methods on one thread; in-process everything runs inline."""
+"""Actors build their model and run their hot methods on one thread (Ray's own when single-threaded, a compute thread
+when threaded); in-process everything runs inline."""
 
 import threading
 
 import ray
 
-from miles.threads import init_on_compute_thread, on_compute_thread
+from miles.threads import actor_options, init_on_compute_thread, on_compute_thread
 
 
 class Probe:
@@ -28,8 +29,8 @@ class Probe:
         return threading.get_ident()
 
 
-def test_in_an_actor_construction_and_hot_calls_share_one_thread_and_control_calls_do_not(ray_session):
-    a = ray.remote(Probe).options(num_cpus=0, max_concurrency=4).remote()
+def test_in_a_threaded_actor_construction_and_hot_calls_share_one_thread_and_control_calls_do_not(ray_session):
+    a = ray.remote(Probe).options(num_cpus=0, **actor_options(4)).remote()
     built_on = ray.get(a.__ray_call__.remote(lambda self: self.built_on))
     hot = {ray.get(a.hot.remote()) for _ in range(8)} | set(ray.get([a.hot.remote() for _ in range(8)]))
     assert hot == {built_on}
@@ -41,6 +42,14 @@ def test_in_an_actor_construction_and_hot_calls_share_one_thread_and_control_cal
         raise AssertionError("the error was lost")
     except ray.exceptions.RayTaskError as e:
         assert "from the compute thread" in str(e)
+    ray.kill(a)
+
+
+def test_a_single_threaded_actor_runs_everything_on_rays_one_thread_without_a_compute_thread(ray_session):
+    a = ray.remote(Probe).options(num_cpus=0, **actor_options(1)).remote()
+    built_on = ray.get(a.__ray_call__.remote(lambda self: self.built_on))
+    assert ray.get(a.__ray_call__.remote(lambda self: self.compute)) is None
+    assert {ray.get(a.hot.remote()) for _ in range(4)} | {ray.get(a.control.remote())} == {built_on}
     ray.kill(a)
 
 

@@ -1,11 +1,14 @@
 """``miles bench actor-threads``: seconds per ``RolloutManager.generate`` in a Ray actor, by where its torch work runs.
 
-Four variants of the same actor, one at a time (the others killed), alternating over ``--rounds``, in one run:
+Variants of the same actor, one at a time (the others killed), alternating over ``--rounds``, in one run. Between
+timed calls each actor answers ``named_weights`` (a torch copy on Ray's task thread, as a weight sync does in the
+RL loop), so a variant whose hot work runs on another thread has two OpenMP teams, as it would in the loop:
 
-    threaded       max_concurrency=4, no compute thread: each call on whichever pool thread is free
-    hot-only       max_concurrency=4, generate on a dedicated thread, the model built on another
-    built-and-run  max_concurrency=4, built and run on one dedicated thread (what miles does: miles/threads.py)
-    single         max_concurrency=1: construction and every call on the actor's one thread
+    threaded        max_concurrency=4, no compute thread: each call on whichever pool thread is free
+    hot-only        max_concurrency=4, generate on a dedicated thread, the model built on another
+    built-and-run   max_concurrency=4, built and run on one dedicated thread (miles' threaded actors, rdt)
+    compute-1       max_concurrency=1, built and run on a dedicated thread, Ray's thread doing the rest
+    single          max_concurrency=1, everything on Ray's one thread (miles' actors: miles/threads.py)
 
 plus the same ``generate`` in this process (no actor) for reference. Median and fastest call per variant.
 
@@ -21,13 +24,13 @@ import time
 from miles.config import apply_overrides
 from miles.recipes import get_recipe
 from miles.rollout.manager import RolloutManager
-from miles.threads import ComputeThread
+from miles.threads import COMPUTE_THREAD_ENV, ComputeThread
 
 
 class _Threaded(RolloutManager):
     def __init__(self, *args):
         RolloutManager.__init__.__wrapped__(self, *args)  # built on the thread Ray constructs the actor on
-        self.compute = None  # calls run on Ray's pool threads
+        self.compute = None  # calls run on Ray's task threads
 
 
 class _HotOnly(_Threaded):
@@ -36,12 +39,9 @@ class _HotOnly(_Threaded):
         self.compute = ComputeThread("hot-only")  # generate hops to this one
 
 
-class _BuiltAndRun(RolloutManager):
-    pass  # RolloutManager as shipped: @init_on_compute_thread + @on_compute_thread
-
-
-VARIANTS = {"threaded": (_Threaded, 4), "hot-only": (_HotOnly, 4), "built-and-run": (_BuiltAndRun, 4),
-            "built-and-run-1": (_BuiltAndRun, 1), "single": (_Threaded, 1)}
+# name -> (class, max_concurrency, compute thread flag in the actor's environment)
+VARIANTS = {"threaded": (_Threaded, 4, False), "hot-only": (_HotOnly, 4, False), "built-and-run": (RolloutManager, 4, True),
+            "compute-1": (RolloutManager, 1, True), "single": (RolloutManager, 1, False)}
 
 
 def run(argv: list[str]) -> dict:
@@ -65,20 +65,24 @@ def run(argv: list[str]) -> dict:
     times: dict[str, list[float]] = {k: [] for k in [*VARIANTS, "in-process"]}
     try:
         for _ in range(args.rounds):
-            for name, (cls, concurrency) in VARIANTS.items():
-                actor = ray.remote(cls).options(num_cpus=0, max_concurrency=concurrency).remote(cfg, "cpu")
+            for name, (cls, concurrency, flag) in VARIANTS.items():
+                env = {"runtime_env": {"env_vars": {COMPUTE_THREAD_ENV: "1"}}} if flag else {}
+                actor = ray.remote(cls).options(num_cpus=0, max_concurrency=concurrency, **env).remote(cfg, "cpu")
                 for step in range(2):  # warm-up
                     ray.get(actor.generate.remote(step))
+                    ray.get(actor.named_weights.remote())
                 for step in range(2, 2 + args.calls):
                     t0 = time.perf_counter()
                     ray.get(actor.generate.remote(step))
                     times[name].append(time.perf_counter() - t0)
+                    ray.get(actor.named_weights.remote())  # Ray's task thread touches torch, as a sync does
                 ray.kill(actor)
                 time.sleep(1.0)  # let the killed process go before the next variant starts
             local = RolloutManager(cfg, "cpu")
             for step in range(2 + args.calls):
                 t0 = time.perf_counter()
                 local.generate(step)
+                local.named_weights()
                 if step >= 2:
                     times["in-process"].append(time.perf_counter() - t0)
             del local
@@ -88,6 +92,6 @@ def run(argv: list[str]) -> dict:
     out = {"recipe": args.recipe, "completions_per_call": cfg.rollout.num_prompts_per_step * cfg.rollout.n_samples_per_prompt,
            "max_new_tokens": cfg.rollout.max_new_tokens, "torch_threads": threads,
            "variants": {k: {"median_s": statistics.median(v), "min_s": min(v), "calls": len(v)} for k, v in times.items()}}
-    base = out["variants"]["built-and-run"]["median_s"]
-    out["threaded_over_built_and_run"] = out["variants"]["threaded"]["median_s"] / base
+    base = out["variants"]["single"]["median_s"]
+    out["over_single"] = {k: v["median_s"] / base for k, v in out["variants"].items()}
     return out

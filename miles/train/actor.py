@@ -13,7 +13,7 @@ import torch
 
 from miles.config import RunConfig
 from miles.memory import MemoryLedger
-from miles.threads import init_on_compute_thread, on_compute_thread
+from miles.threads import actor_options, init_on_compute_thread, on_compute_thread
 
 
 def resolve_device(cfg: RunConfig) -> str:
@@ -134,16 +134,16 @@ class TrainGroup:
         port = _free_port()
         n = cfg.trainer.world_size
         cls = ray.remote(TrainActor)
-        opts = {"max_concurrency": 1}  # the driver calls one method at a time; more threads cost (miles/threads.py)
+        rdt = {}
         if cfg.sync.transport == "rdt":
-            from miles.sync.rdt import actor_options
+            from miles.sync.rdt import actor_options as rdt_options
 
-            rdt = actor_options(gpus_per_engine=1)  # an embedded engine holds one device
-            opts = rdt | {"max_concurrency": max(opts["max_concurrency"], rdt["max_concurrency"])}
+            rdt = rdt_options(gpus_per_engine=1)  # an embedded engine holds one device
+        concurrency = rdt.pop("max_concurrency", 1)  # the driver calls one method at a time (miles/threads.py)
         self.actors = [
-            cls.options(num_cpus=0.01, num_gpus=num_gpus_per_actor, **opts,
-                        scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group, placement_group_bundle_index=r),
-                        runtime_env={"env_vars": {"LOCAL_RANK": str(r) if num_gpus_per_actor else "0"}})
+            cls.options(num_cpus=0.01, num_gpus=num_gpus_per_actor, **rdt,
+                        **actor_options(concurrency, {"LOCAL_RANK": str(r) if num_gpus_per_actor else "0"}),
+                        scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group, placement_group_bundle_index=r))
             .remote(cfg, r, n, "127.0.0.1", port)
             for r in range(n)]
         ray.get([a.ready.remote() for a in self.actors])
