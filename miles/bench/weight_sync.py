@@ -183,6 +183,19 @@ def _disk_delta(engines, workdir: str):
     return DiskDeltaSync(DiskDeltaConfig(root=root, baseline=baseline, baseline_version=version))
 
 
+def _round_trip(ray, actor, calls: int = 20) -> float:
+    times = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        ray.get(actor.__ray_call__.remote(_noop))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _noop(actor) -> None:
+    return None
+
+
 def _one_size(ray, target_bytes: int, device: str, args, num_gpus: float) -> dict:
     from miles.rollout.engine import EmbeddedEngine
 
@@ -198,6 +211,7 @@ def _one_size(ray, target_bytes: int, device: str, args, num_gpus: float) -> dic
     row = {"target_mib": target_bytes / 2**20, "bytes": nbytes, "layers": model_cfg.num_hidden_layers,
            "copy_s": ray.get(trainer.copy_seconds.remote(args.repeats)), "transports": {}}
     row["copy_gbps"] = nbytes / row["copy_s"] / 1e9
+    row["ray_call_s"] = _round_trip(ray, engine)  # the floor of any sync that asks the engine anything
     version = 0
     with tempfile.TemporaryDirectory(prefix="miles-bench-sync-") as workdir:
         for variant in args.transports:

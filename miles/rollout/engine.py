@@ -322,7 +322,7 @@ class EmbeddedEngine:
         if version is not None:
             self.set_weight_version(version)
 
-    def update_weights_in_place(self, shared, version: int) -> None:
+    def update_weights_in_place(self, shared, version: int) -> dict[str, float]:
         """One whole update read from the trainer's own tensors (miles.sync.in_place): handles opened once and
         kept, the bytes copied once, committed with ``version``; on failure the update is aborted."""
         from miles.sync.in_place import OpenedWeights, receive_in_place
@@ -331,8 +331,7 @@ class EmbeddedEngine:
             self._in_place = OpenedWeights()
         self.pause_generation()
         try:
-            receive_in_place(shared, self._in_place, [self])
-            self.set_weight_version(version)
+            return receive_in_place(shared, self._in_place, [self], version)
         finally:
             self.continue_generation()
 

@@ -216,7 +216,7 @@ class RolloutManager:
         if version is not None:
             self.set_weight_version(version)
 
-    def update_weights_in_place(self, shared, version: int) -> None:
+    def update_weights_in_place(self, shared, version: int) -> dict[str, float]:
         """The trainer's tensors opened once for this process and copied into every engine (miles.sync.in_place)."""
         from miles.sync.in_place import OpenedWeights, receive_in_place
 
@@ -225,8 +225,7 @@ class RolloutManager:
         for e in self.engines:
             e.pause_generation()
         try:
-            receive_in_place(shared, self._in_place, self.engines)
-            self.set_weight_version(version)
+            return receive_in_place(shared, self._in_place, self.engines, version)
         finally:
             for e in self.engines:
                 e.continue_generation()

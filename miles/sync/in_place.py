@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from miles.sync.base import PieceMeta, SyncError, WeightManifest, byte_view, fused_group, submit, wait
+from miles.sync.base import SyncError, WeightManifest, fused_group, submit, wait
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,10 +41,11 @@ class SharedTensor:
 
 @dataclass(frozen=True, slots=True)
 class SharedWeights:
-    """One in-place update. ``tensors`` is None when the engine already opened the handles of ``key``."""
+    """One in-place update. ``manifest`` and ``tensors`` are None when the engine already holds those of ``key``
+    (the key covers every name, dtype and shape, so the manifest cannot have changed)."""
 
     key: str  # changes whenever a tensor's storage moved or the set of tensors changed
-    manifest: WeightManifest
+    manifest: WeightManifest | None
     tensors: tuple[SharedTensor, ...] | None
 
 
@@ -110,16 +111,18 @@ class InPlaceSync:
                 self._shared = tuple(export(n, t) for n, t in named)
                 self._key, self._opened_by = storage_key(named), set()  # CPU export moved the storages once
                 self.exports += 1
-            manifest = WeightManifest.of(named, self.group_of, self.cfg.engine_staging)
+            fresh = SharedWeights(self._key, WeightManifest.of(named, self.group_of, self.cfg.engine_staging), self._shared)
+            known = SharedWeights(self._key, None, None)
             if any(t.is_cuda for _, t in named):
                 torch.cuda.synchronize(self.device)  # the optimizer's last writes land before engines read
             t = time.perf_counter()
             phases["export_s"] = t - t0
-            calls = [submit(e, "update_weights_in_place",
-                            SharedWeights(self._key, manifest, None if i in self._opened_by else self._shared), version)
+            calls = [submit(e, "update_weights_in_place", known if i in self._opened_by else fresh, version)
                      for i, e in enumerate(self.engines)]
-            wait(calls)  # the engines have copied (and synchronized) when this returns: the trainer may write again
+            inside = wait(calls)  # the engines have copied (and synchronized): the trainer may write again
             phases["engine_s"] = time.perf_counter() - t
+            for k in ("open_s", "begin_s", "copy_s", "commit_s"):  # the slowest engine's phases
+                phases[f"engine_{k}"] = max((r or {}).get(k, 0.0) for r in inside)
             self._opened_by = set(range(len(self.engines)))
         except Exception as e:
             self._opened_by = set()  # an engine may have dropped its handles: send them again next time
@@ -139,22 +142,22 @@ class InPlaceSync:
 
 # ---- engine side ---------------------------------------------------------------------------------------------
 class OpenedWeights:
-    """Receiver side: the trainer's tensors opened once per key (reopened only when the trainer re-exports)."""
+    """Receiver side: the trainer's tensors (and the update's manifest) opened once per key."""
 
     def __init__(self):
-        self.key, self.tensors = "", []
+        self.key, self.manifest, self.tensors = "", None, []
 
-    def get(self, shared: SharedWeights) -> list[tuple[str, torch.Tensor]]:
+    def get(self, shared: SharedWeights) -> tuple[WeightManifest, list[tuple[str, torch.Tensor]]]:
         from miles.sync.receiver import ReceiveError
 
         if shared.tensors is not None:
-            self.key, self.tensors = "", []  # let go of the old mappings first
+            self.key, self.manifest, self.tensors = "", None, []  # let go of the old mappings first
             self.tensors = [(s.name, open_shared(s)) for s in shared.tensors]
-            self.key = shared.key
+            self.key, self.manifest = shared.key, shared.manifest
         elif shared.key != self.key:
             raise ReceiveError(f"in-place update for handles {shared.key} but this engine holds {self.key or 'none'}; "
                                "the trainer must send the handles again (it does after a failed update)")
-        return self.tensors
+        return self.manifest, self.tensors
 
 
 def open_shared(s: SharedTensor) -> torch.Tensor:
@@ -169,17 +172,29 @@ def open_shared(s: SharedTensor) -> torch.Tensor:
     return torch.empty(0, dtype=getattr(torch, dtype)).set_(storage, offset, shape, stride)
 
 
-def receive_in_place(shared: SharedWeights, opened: OpenedWeights, engines: list) -> None:
-    """Open (or reuse) the trainer's tensors and land them in every engine's update (``begin_weight_update``
-    validates it first); the caller commits with ``set_weight_version``. On any failure every engine's update is
-    aborted (with shadow staging its weights are untouched)."""
+def receive_in_place(shared: SharedWeights, opened: OpenedWeights, engines: list, version: int) -> dict[str, float]:
+    """Open (or reuse) the trainer's tensors, land them in every engine's update (``begin_weight_update``
+    validates it first) and commit it with ``set_weight_version``. On any failure before the commit every
+    engine's update is aborted (with shadow staging its weights are untouched). Returns seconds per phase."""
+    t0 = time.perf_counter()
+    phases = {}
     try:
-        tensors = opened.get(shared)
-        items = [(PieceMeta(name, 0, t.numel() * t.element_size()), byte_view(t)) for name, t in tensors]
+        manifest, tensors = opened.get(shared)
+        t = time.perf_counter()
+        phases["open_s"] = t - t0
         for e in engines:
-            e.begin_weight_update(shared.manifest)
-            e.weight_receiver().receive(items)
+            e.begin_weight_update(manifest)
+        phases["begin_s"] = time.perf_counter() - t
+        t = time.perf_counter()
+        for e in engines:
+            e.weight_receiver().receive_whole(tensors)
+        phases["copy_s"] = time.perf_counter() - t
     except Exception:
         for e in engines:
             e.abort_weight_update()
         raise
+    t = time.perf_counter()
+    for e in engines:
+        e.set_weight_version(version)
+    phases["commit_s"] = time.perf_counter() - t
+    return phases

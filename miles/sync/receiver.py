@@ -99,6 +99,36 @@ class WeightReceiver:
                 self._receive_direct(items)
             _sync_device(items)
 
+    def receive_whole(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        """Land whole tensors (every byte of each; e.g. the trainer's own tensors read in place) in one batched
+        copy. When the call holds the whole update, direct staging writes straight into the weights."""
+        if not self.is_open:
+            raise ReceiveError("weight tensors arrived outside an update; call begin_weight_update(manifest) first")
+        for name, t in named:
+            s = self._specs.get(name)
+            if s is None:
+                raise ReceiveError(f"tensor {name!r} is not in this update's manifest")
+            if self._received[name] or t.numel() * t.element_size() != s.nbytes:
+                raise ReceiveError(f"{name}: {t.numel() * t.element_size()} bytes for a tensor of {s.nbytes} bytes, "
+                                   f"{self._received[name]} of them already received")
+        whole = len(named) == len(self._specs) and len({n for n, _ in named}) == len(named)
+        if self.manifest.staging == "direct" and not whole:  # groups may straddle calls: the general path
+            return self.receive([(PieceMeta(n, 0, t.numel() * t.element_size()), byte_view(t)) for n, t in named])
+        srcs = [byte_view(t) for _, t in named]
+        with self._mutex:
+            if self.manifest.staging == "shadow":
+                dsts = [torch.empty(src.numel(), dtype=torch.uint8, device=self.target(n).device)
+                        for (n, _), src in zip(named, srcs)]
+                self._landing.update({n: d for (n, _), d in zip(named, dsts)})
+                _copy_all(dsts, srcs)
+            else:
+                with self.lock, torch.no_grad():
+                    _copy_all([byte_view_of_param(self.target(n)) for n, _ in named], srcs)
+                self._written_groups |= set(self._members)
+            for n, t in named:
+                self._received[n] = t.numel() * t.element_size()
+            _sync_device([(None, x) for x in srcs])
+
     def commit(self) -> bool:
         """Put a complete update into the weights; False if no update was open. Raises (and aborts) if incomplete."""
         if not self.is_open:
@@ -160,6 +190,16 @@ def byte_view_of_param(p: torch.Tensor) -> torch.Tensor:
     if not p.is_contiguous():
         raise ReceiveError(f"engine parameter of shape {tuple(p.shape)} is not contiguous; cannot write bytes into it")
     return byte_view(p)
+
+
+def _copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+    """dst[i].copy_(src[i]) for all i, as one batched call where torch has it."""
+    foreach = getattr(torch, "_foreach_copy_", None)
+    if foreach is not None and dsts:
+        foreach(dsts, srcs, non_blocking=True)
+        return
+    for d, x in zip(dsts, srcs):
+        d.copy_(x, non_blocking=True)
 
 
 def _sync_device(items) -> None:
