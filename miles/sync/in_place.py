@@ -111,8 +111,9 @@ class InPlaceSync:
                 self._shared = tuple(export(n, t) for n, t in named)
                 self._key, self._opened_by = storage_key(named), set()  # CPU export moved the storages once
                 self.exports += 1
-            fresh = SharedWeights(self._key, WeightManifest.of(named, self.group_of, self.cfg.engine_staging), self._shared)
             known = SharedWeights(self._key, None, None)
+            fresh = known if len(self._opened_by) == len(self.engines) else SharedWeights(
+                self._key, WeightManifest.of(named, self.group_of, self.cfg.engine_staging), self._shared)
             if any(t.is_cuda for _, t in named):
                 torch.cuda.synchronize(self.device)  # the optimizer's last writes land before engines read
             t = time.perf_counter()

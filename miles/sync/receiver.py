@@ -50,6 +50,7 @@ class WeightReceiver:
         self._landing: dict[str, torch.Tensor] = {}  # shadow (or pending group) bytes per tensor
         self._written_groups: set[str] = set()
         self._mutex = threading.Lock()  # an actor with max_concurrency > 1 may deliver buckets from several threads
+        self._validated: tuple = (None, {}, {})  # (manifest, specs by name, members by group) last checked
 
     @property
     def is_open(self) -> bool:
@@ -59,6 +60,14 @@ class WeightReceiver:
         if self.is_open:
             log.warning("a weight update was still open when a new one began; aborting the old one")
             self.abort()
+        if manifest is not self._validated[0]:  # the same manifest object again (in-place syncs) was checked once
+            self._validate(manifest)
+        self.manifest = manifest
+        self._specs, self._members = self._validated[1], self._validated[2]
+        self._received = dict.fromkeys(self._specs, 0)
+        self._landing, self._written_groups = {}, set()
+
+    def _validate(self, manifest: WeightManifest) -> None:
         if manifest.staging not in ("shadow", "direct"):
             raise ReceiveError(f"staging {manifest.staging!r} is not supported; use 'shadow' or 'direct'")
         bad = []
@@ -72,13 +81,10 @@ class WeightReceiver:
                 bad.append(f"{s.name}: sent {s.dtype} {s.shape}, the engine holds {p.dtype} {tuple(p.shape)}")
         if bad:
             raise ReceiveError(f"weight update rejected before any byte moved ({len(bad)} problems): {bad[:3]}")
-        self.manifest = manifest
-        self._specs = {s.name: s for s in manifest.specs}
-        self._members = {}
+        members: dict[str, list[str]] = {}
         for s in manifest.specs:
-            self._members.setdefault(s.group, []).append(s.name)
-        self._received = {s.name: 0 for s in manifest.specs}
-        self._landing, self._written_groups = {}, set()
+            members.setdefault(s.group, []).append(s.name)
+        self._validated = (manifest, {s.name: s for s in manifest.specs}, members)
 
     def receive(self, items: list[tuple[PieceMeta, torch.Tensor]]) -> None:
         """Land pieces (metadata + their bytes as a flat uint8 tensor)."""
@@ -100,7 +106,7 @@ class WeightReceiver:
             _sync_device(items)
 
     def receive_whole(self, named: list[tuple[str, torch.Tensor]]) -> None:
-        """Land whole tensors (every byte of each; e.g. the trainer's own tensors read in place) in one batched
+        """Land whole tensors (every byte of each; e.g. the trainer's own tensors read in place) in one
         copy. When the call holds the whole update, direct staging writes straight into the weights."""
         if not self.is_open:
             raise ReceiveError("weight tensors arrived outside an update; call begin_weight_update(manifest) first")
@@ -193,11 +199,9 @@ def byte_view_of_param(p: torch.Tensor) -> torch.Tensor:
 
 
 def _copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
-    """dst[i].copy_(src[i]) for all i, as one batched call where torch has it."""
-    foreach = getattr(torch, "_foreach_copy_", None)
-    if foreach is not None and dsts:
-        foreach(dsts, srcs, non_blocking=True)
-        return
+    """dst[i].copy_(src[i]) for all i. One copy_ per tensor: for contiguous same-dtype CUDA tensors that is a
+    cudaMemcpyAsync at copy bandwidth, where torch's batched _foreach_copy_ runs an elementwise kernel over bytes
+    (measured on the H200, 4.17 GB read through CUDA IPC: 6.8 ms batched)."""
     for d, x in zip(dsts, srcs):
         d.copy_(x, non_blocking=True)
 
