@@ -41,6 +41,7 @@ TRANSPORTS = {  # variant -> (transport, engine staging, extra)
     "tensor:shadow": ("tensor", "shadow", {}),
     "tensor:in-place": ("tensor", "direct", {"source": "in_place"}),
     "tensor:in-place:shadow": ("tensor", "shadow", {"source": "in_place"}),
+    "tensor:in-place:kernel": ("tensor", "direct", {"source": "in_place", "copy": "kernel"}),  # CUDA: see receiver.CUDA_COPY
     "broadcast": ("broadcast", "direct", {}),
     "rdt": ("rdt", "direct", {}),
     "rdt:shadow": ("rdt", "shadow", {}),
@@ -99,6 +100,7 @@ class Trainer:
         transport, staging, extra = TRANSPORTS[variant]
         extra = dict(extra)
         source = extra.pop("source", "bucket")
+        extra.pop("copy", None)  # the engine side's setting (_one_size sets it)
         rdt = "cuda_ipc" if self.device == "cuda" else "gloo"  # what auto picks without NIXL, named for in_place
         cfg = SyncConfig(transport=transport, update_weight_buffer_size=bucket_bytes, engine_staging=staging,
                          source=source, rdt_transport=rdt if transport == "rdt" else "auto")
@@ -196,6 +198,12 @@ def _noop(actor) -> None:
     return None
 
 
+def _set_cuda_copy(actor, mode: str) -> None:
+    import miles.sync.receiver as receiver
+
+    receiver.CUDA_COPY = mode
+
+
 def _one_size(ray, target_bytes: int, device: str, args, num_gpus: float) -> dict:
     from miles.rollout.engine import EmbeddedEngine
 
@@ -216,6 +224,7 @@ def _one_size(ray, target_bytes: int, device: str, args, num_gpus: float) -> dic
     with tempfile.TemporaryDirectory(prefix="miles-bench-sync-") as workdir:
         for variant in args.transports:
             try:
+                ray.get(engine.__ray_call__.remote(_set_cuda_copy, TRANSPORTS[variant][2].get("copy", "memcpy")))
                 ray.get(trainer.connect.remote(variant, int(args.bucket_mib * 2**20), [engine], workdir))
                 times, phases = [], []
                 for _ in range(args.repeats + 1):
