@@ -124,6 +124,8 @@ class Piece:
 
 def byte_view(t: torch.Tensor) -> torch.Tensor:
     """A flat uint8 view of a tensor's bytes (a copy only if it is not contiguous)."""
+    if t.dtype == torch.uint8 and t.dim() == 1 and not t.requires_grad and t.is_contiguous():
+        return t  # already one (the in-place receive path passes thousands per second)
     t = t.detach()
     if not t.is_contiguous():
         t = t.contiguous()

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from miles.sync.base import SyncError, WeightManifest, fused_group, submit, wait
+from miles.sync.base import SyncError, WeightManifest, byte_view, fused_group, submit, wait
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,13 +69,9 @@ def export(name: str, t: torch.Tensor) -> SharedTensor:
 
 
 def storage_key(named: list[tuple[str, torch.Tensor]]) -> str:
-    """Identifies where every tensor's bytes are: equal keys mean handles exported before still point at them."""
-    import hashlib
-
-    h = hashlib.blake2b(digest_size=12)
-    for name, t in named:
-        h.update(f"{name}|{t.device}|{t.data_ptr()}|{t.dtype}|{tuple(t.shape)};".encode())
-    return h.hexdigest()
+    """Identifies where every tensor's bytes are: equal keys mean handles exported before still point at them.
+    (Compared only against keys of the same trainer process.)"""
+    return f"{hash(tuple((n, t.data_ptr(), t.dtype, t.shape, t.device.index) for n, t in named)) & (2**64 - 1):016x}"
 
 
 class InPlaceSync:
@@ -153,7 +149,7 @@ class OpenedWeights:
 
         if shared.tensors is not None:
             self.key, self.manifest, self.tensors = "", None, []  # let go of the old mappings first
-            self.tensors = [(s.name, open_shared(s)) for s in shared.tensors]
+            self.tensors = [(s.name, byte_view(open_shared(s))) for s in shared.tensors]  # flat bytes, made once
             self.key, self.manifest = shared.key, shared.manifest
         elif shared.key != self.key:
             raise ReceiveError(f"in-place update for handles {shared.key} but this engine holds {self.key or 'none'}; "

@@ -51,6 +51,7 @@ class WeightReceiver:
         self._written_groups: set[str] = set()
         self._mutex = threading.Lock()  # an actor with max_concurrency > 1 may deliver buckets from several threads
         self._validated: tuple = (None, {}, {})  # (manifest, specs by name, members by group) last checked
+        self._targets: dict[str, torch.Tensor] = {}
 
     @property
     def is_open(self) -> bool:
@@ -85,6 +86,7 @@ class WeightReceiver:
         for s in manifest.specs:
             members.setdefault(s.group, []).append(s.name)
         self._validated = (manifest, {s.name: s for s in manifest.specs}, members)
+        self._targets: dict[str, torch.Tensor] = {}  # byte views of the weights, kept while this manifest is in use
 
     def receive(self, items: list[tuple[PieceMeta, torch.Tensor]]) -> None:
         """Land pieces (metadata + their bytes as a flat uint8 tensor)."""
@@ -129,11 +131,19 @@ class WeightReceiver:
                 _copy_all(dsts, srcs)
             else:
                 with self.lock, torch.no_grad():
-                    _copy_all([byte_view_of_param(self.target(n)) for n, _ in named], srcs)
+                    _copy_all([self._target_bytes(n) for n, _ in named], srcs)
                 self._written_groups |= set(self._members)
             for n, t in named:
                 self._received[n] = t.numel() * t.element_size()
             _sync_device([(None, x) for x in srcs])
+
+    def _target_bytes(self, name: str) -> torch.Tensor:
+        """The weight's bytes as a flat view, made once per validated manifest (a view stays valid across the
+        storage resizes of a memory release / resume)."""
+        v = self._targets.get(name)
+        if v is None:
+            v = self._targets[name] = byte_view_of_param(self.target(name))
+        return v
 
     def commit(self) -> bool:
         """Put a complete update into the weights; False if no update was open. Raises (and aborts) if incomplete."""

@@ -18,13 +18,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from miles.sync.base import host_bytes
-
-
-def byte_view(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor's bytes as a flat uint8 tensor on its own device (0-d tensors flatten to one element)."""
-    t = tensor.detach().contiguous().reshape(-1)
-    return t.view(torch.uint8) if t.dtype != torch.uint8 else t
+from miles.sync.base import byte_view, host_bytes
 
 
 class StagingPool:
