@@ -6,6 +6,9 @@ by ``update_weight_buffer_size`` (a group larger than that grows the buffer, wit
 buffers alternate, so the trainer packs bucket i+1 while the engines copy bucket i; they are allocated once
 and reused every sync, so each handle is opened once on the engine side.
 
+With ``sync.source=in_place`` there is no bucket: engines open the trainer's own tensors once and copy from them
+(miles.sync.in_place: one copy per sync instead of two, for trainers whose weights stay resident).
+
 ``staging_device="cpu"`` with CUDA weights is the host-staged path (device -> shared host memory -> device):
 it works between any two processes of a host and is the baseline the benchmark compares against.
 """
