@@ -243,6 +243,8 @@ class RunConfig:
                 why.append(f"trainer.world_size = {self.trainer.world_size} (FSDP gathers new full tensors every sync)")
             if self.rollout.engine == "http":
                 why.append("rollout.engine = 'http' (engine servers take buckets)")
+            if self.trainer.backend == "megatron":
+                why.append("trainer.backend = 'megatron' (its HF-named weights are converted copies, new every sync)")
             if why:
                 raise ValueError("sync.source = 'in_place' needs the trainer's weights resident at fixed addresses and "
                                  f"embedded engines; {'; '.join(why)}; or use sync.source=bucket")

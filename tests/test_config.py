@@ -53,6 +53,8 @@ def test_disk_delta_with_discarded_engine_weights_is_rejected_and_each_fix_is_ac
                                "alive, so the offload would free nothing): set handoff.offload_train=none"),
     (["sync.source=in_place", "handoff.offload_train=none", "trainer.world_size=2"], "trainer.world_size = 2 (FSDP"),
     (["sync.source=in_place", "handoff.offload_train=none", "rollout.engine=http"], "rollout.engine = 'http'"),
+    (["sync.source=in_place", "handoff.offload_train=none", "trainer.backend=megatron", "device=cuda"],
+     "trainer.backend = 'megatron' (its HF-named weights are converted copies"),
     (["sync.source=in_place", "sync.transport=rdt"], "not of 'rdt' (rdt_transport 'auto')"),
     (["sync.source=in_place", "sync.transport=broadcast"], "not of 'broadcast'"),
     (["sync.source=shared"], "sync.source = 'shared' is not one of ['bucket', 'in_place']"),

@@ -21,6 +21,7 @@ trainer (world size > 1): its full tensors are gathered anew every sync. ``RunCo
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -28,6 +29,8 @@ from dataclasses import dataclass
 import torch
 
 from miles.sync.base import SyncError, WeightManifest, byte_view, fused_group, submit, wait
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +89,7 @@ class InPlaceSync:
         self._key, self._shared = "", ()
         self._opened_by: set[int] = set()  # engines that hold the handles of self._key
         self.exports = 0  # how many times handles were exported (1 while the storages stay put)
+        self._moved_last, self._warned = False, False
         self._metrics: dict[str, float] = {}
 
     def connect(self, engines: list) -> None:
@@ -104,6 +108,12 @@ class InPlaceSync:
         try:
             key = storage_key(named)
             if key != self._key:
+                if self._key and self._moved_last and not self._warned:
+                    self._warned = True
+                    log.warning("the trainer's weight tensors moved again since the last sync: in-place sync reopens "
+                                "every handle each time (and the engine's old mappings hold the old memory until then); "
+                                "these weights are not resident at fixed addresses, use sync.source=bucket")
+                self._moved_last = bool(self._key)
                 self._shared = tuple(export(n, t) for n, t in named)
                 self._key, self._opened_by = storage_key(named), set()  # CPU export moved the storages once
                 self.exports += 1
@@ -121,6 +131,8 @@ class InPlaceSync:
             for k in ("open_s", "begin_s", "copy_s", "commit_s"):  # the slowest engine's phases
                 phases[f"engine_{k}"] = max((r or {}).get(k, 0.0) for r in inside)
             self._opened_by = set(range(len(self.engines)))
+            if not fresh.tensors:
+                self._moved_last = False
         except Exception as e:
             self._opened_by = set()  # an engine may have dropped its handles: send them again next time
             raise SyncError(f"in-place weight update to version {version} failed ({type(e).__name__}: {e}); the "

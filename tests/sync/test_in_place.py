@@ -1,0 +1,32 @@
+"""In-place sync in one process (the cross-process cases are in test_sync_transports and test_sync_gpu)."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from miles.config import SyncConfig
+from miles.model.config import ModelConfig
+from miles.model.decoder import build_decoder
+from miles.rollout.engine import EmbeddedEngine
+from miles.sync.check import check_weights
+from miles.sync.in_place import InPlaceSync
+
+CFG = ModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=32)
+
+
+def test_a_trainer_whose_tensors_move_every_sync_still_syncs_bit_equal_and_is_told_to_use_buckets(caplog):
+    named = [(n, t.detach().clone()) for n, t in build_decoder(CFG, seed=1).hf_state_dict().items()
+             if n != "lm_head.weight" or not CFG.tie_word_embeddings]
+    engine = EmbeddedEngine(CFG, max_batch_size=1, max_seq_len=8)
+    sync = InPlaceSync(SyncConfig(source="in_place"), "cpu")
+    sync.connect([engine])
+    with caplog.at_level(logging.WARNING, logger="miles.sync.in_place"):
+        for version in (1, 2, 3):
+            named = [(n, t + 0.01) for n, t in named]  # new tensors every step: nothing stays at its address
+            sync.update(named, version)
+            check_weights(named, engine.named_weights())
+    assert sync.exports == 3 and engine.weight_version == 3
+    assert sum("use sync.source=bucket" in r.message for r in caplog.records) == 1
