@@ -10,7 +10,9 @@ RL loop), so a variant whose hot work runs on another thread has two OpenMP team
     compute-1       max_concurrency=1, built and run on a dedicated thread, Ray's thread doing the rest
     single          max_concurrency=1, everything on Ray's one thread (miles' actors: miles/threads.py)
 
-plus the same ``generate`` in this process (no actor) for reference. Median and fastest call per variant.
+plus the same ``generate`` in this process (no actor) for reference. Median and fastest call per variant. First,
+the mechanism on its own: a 32x256 @ 256x768 matmul in a single-threaded actor on Ray's thread, then on a second
+thread of the same actor, then on Ray's thread again (``openmp_teams_matmul``, microseconds).
 
     miles bench actor-threads --json                       # the trl_parity rollout (32 x 32 tokens)
 """
@@ -20,6 +22,8 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+
+import torch
 
 from miles.config import apply_overrides
 from miles.recipes import get_recipe
@@ -44,6 +48,40 @@ VARIANTS = {"threaded": (_Threaded, 4, False), "hot-only": (_HotOnly, 4, False),
             "compute-1": (RolloutManager, 1, True), "single": (RolloutManager, 1, False)}
 
 
+def _matmul_us(n: int = 2000) -> float:
+    """A decode-step-sized matmul (32x256 @ 256x768), microseconds, on the calling thread."""
+    a, w = torch.randn(32, 256), torch.randn(256, 768)
+    for _ in range(10):
+        a @ w
+    t0 = time.perf_counter()
+    for _ in range(n):
+        a @ w
+    return (time.perf_counter() - t0) / n * 1e6
+
+
+class _Teams:
+    """One actor: a matmul on Ray's thread, then on a second thread, then on Ray's thread again."""
+
+    def on_ray_thread(self) -> float:
+        return _matmul_us()
+
+    def on_second_thread(self) -> float:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.pool = getattr(self, "pool", None) or ThreadPoolExecutor(1)
+        return self.pool.submit(_matmul_us).result()
+
+
+def openmp_teams(ray) -> dict:
+    """Matmul microseconds in a single-threaded actor before and after a second thread of it has used torch."""
+    a = ray.remote(_Teams).options(num_cpus=0, max_concurrency=1).remote()
+    out = {"ray_thread_alone_us": statistics.median(ray.get(a.on_ray_thread.remote()) for _ in range(3)),
+           "second_thread_us": statistics.median(ray.get(a.on_second_thread.remote()) for _ in range(3)),
+           "ray_thread_after_us": statistics.median(ray.get(a.on_ray_thread.remote()) for _ in range(3))}
+    ray.kill(a)
+    return out
+
+
 def run(argv: list[str]) -> dict:
     ap = argparse.ArgumentParser(prog="miles bench actor-threads")
     ap.add_argument("--json", action="store_true", help="accepted for the CLI; the result is always JSON")
@@ -64,6 +102,7 @@ def run(argv: list[str]) -> dict:
         start_ray(num_cpus=max(2, os.cpu_count() or 1), threads=threads)
     times: dict[str, list[float]] = {k: [] for k in [*VARIANTS, "in-process"]}
     try:
+        teams = openmp_teams(ray)
         for _ in range(args.rounds):
             for name, (cls, concurrency, flag) in VARIANTS.items():
                 env = {"runtime_env": {"env_vars": {COMPUTE_THREAD_ENV: "1"}}} if flag else {}
@@ -91,6 +130,7 @@ def run(argv: list[str]) -> dict:
             ray.shutdown()
     out = {"recipe": args.recipe, "completions_per_call": cfg.rollout.num_prompts_per_step * cfg.rollout.n_samples_per_prompt,
            "max_new_tokens": cfg.rollout.max_new_tokens, "torch_threads": threads,
+           "openmp_teams_matmul": teams,
            "variants": {k: {"median_s": statistics.median(v), "min_s": min(v), "calls": len(v)} for k, v in times.items()}}
     base = out["variants"]["single"]["median_s"]
     out["over_single"] = {k: v["median_s"] / base for k, v in out["variants"].items()}

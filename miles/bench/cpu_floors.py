@@ -1,7 +1,7 @@
 """``miles bench cpu-floors``: what one trl_parity RL step costs in arithmetic on this machine, phase by phase.
 
 In one process, on the trl_parity model (random init, FP32, all cores): the matmul throughput at a decode-step
-shape and at a training shape; the rollout's 32 x 32 tokens through the miles engine and through Hugging Face
+shape and at a training shape (FP32, and bf16 for comparison); the rollout's 32 x 32 tokens through the miles engine and through Hugging Face
 ``generate`` on the same weights; and one in-process training step (forward + backward + AdamW) of the rollout's
 batch. These are the floors under both sides of ``miles bench trl-parity``. Medians of ``--repeats``.
 
@@ -46,9 +46,11 @@ def run(argv: list[str]) -> dict:
     out: dict = {"threads": torch.get_num_threads(), "matmul_gflops": {}}
     for label, (rows, k, n) in {"decode_step_linear": (32, m.hidden_size, m.intermediate_size),
                                 "train_linear": (32 * 43, m.hidden_size, m.intermediate_size)}.items():
-        x, w = torch.randn(rows, k), torch.randn(n, k)
-        s = _median_s(lambda: torch.nn.functional.linear(x, w), max(args.repeats, 50))
-        out["matmul_gflops"][label] = {"shape": [rows, k, n], "us": s * 1e6, "gflops": 2 * rows * k * n / s / 1e9}
+        for dtype in (torch.float32, torch.bfloat16):  # bf16: what avx512_bf16 / AMX would give the same shapes
+            x, w = torch.randn(rows, k, dtype=dtype), torch.randn(n, k, dtype=dtype)
+            s = _median_s(lambda: torch.nn.functional.linear(x, w), max(args.repeats, 50))
+            key = label if dtype == torch.float32 else f"{label}_bf16"
+            out["matmul_gflops"][key] = {"shape": [rows, k, n], "us": s * 1e6, "gflops": 2 * rows * k * n / s / 1e9}
 
     co = Colocated(cfg)
     plan = HandoffPlan.from_config(cfg.handoff)
