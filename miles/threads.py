@@ -5,7 +5,7 @@ has one team, its idle workers spin and the next kernel starts at once; once a s
 kernel, libgomp sees more workers than cores and puts idle workers to sleep, so every kernel pays a wake-up.
 Measured on the 2-core VM (``miles bench actor-threads``, ``openmp_teams_matmul``: a 32x256 @ 256x768 matmul in a
 single-threaded Ray actor): about twice as slow on either thread once a second thread has used torch (167 ->
-323-349 us; 110 -> 220 us on a quieter host), for the life of the process.
+323-349 us), for the life of the process.
 
 So an actor's torch work stays on one thread:
 

@@ -108,8 +108,8 @@ class WeightReceiver:
             _sync_device(items)
 
     def receive_whole(self, named: list[tuple[str, torch.Tensor]]) -> None:
-        """Land whole tensors (every byte of each; e.g. the trainer's own tensors read in place) in one
-        copy. When the call holds the whole update, direct staging writes straight into the weights."""
+        """Land whole tensors (every byte of each; e.g. the trainer's own tensors read in place), one copy_ per
+        tensor. When the call holds the whole update, direct staging writes straight into the weights."""
         if not self.is_open:
             raise ReceiveError("weight tensors arrived outside an update; call begin_weight_update(manifest) first")
         for name, t in named:
