@@ -7,6 +7,8 @@ median of 9 after a warm-up:
   local_tensors  one copy_ per tensor, local -> local
   ipc_memcpy     one copy_ per tensor, IPC-opened -> local (cudaMemcpyAsync, what miles' in-place sync does)
   ipc_kernel     the same bytes through an elementwise kernel (int64 views, torch.add(src, 0, out=dst))
+  ipc_flat       one copy_ of one flat IPC-opened buffer of the same size (is the mapping slow, or the many copies?)
+  ipc_flat_kernel  the same flat buffer through the int64 kernel
 Prints one JSON line.
 """
 
@@ -41,7 +43,7 @@ def _timed(fn, reps: int = 9) -> float:
     return statistics.median(out)
 
 
-def _child(handles, q) -> None:
+def _child(handles, flat_handle, q) -> None:
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
     torch.cuda.set_device(0)
@@ -51,6 +53,7 @@ def _child(handles, q) -> None:
     nbytes = sum(t.numel() * t.element_size() for t in remote)
     a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     b = torch.empty_like(a)
+    flat = rebuild_cuda_tensor(*flat_handle)
 
     def per_tensor(src, dst):
         for s, d in zip(src, dst):
@@ -68,7 +71,9 @@ def _child(handles, q) -> None:
            "flat_local_s": _timed(lambda: b.copy_(a)),
            "local_tensors_s": _timed(lambda: per_tensor(other, local)),
            "ipc_memcpy_s": _timed(lambda: per_tensor(remote, local)),
-           "ipc_kernel_s": _timed(lambda: kernel(remote, local))}
+           "ipc_kernel_s": _timed(lambda: kernel(remote, local)),
+           "ipc_flat_s": _timed(lambda: b.copy_(flat)),
+           "ipc_flat_kernel_s": _timed(lambda: kernel([flat], [b]))}
     res["ipc_equal"] = all(torch.equal(x, y) for x, y in zip(remote, local))
     q.put(res)
 
@@ -78,10 +83,11 @@ def main() -> None:
 
     gib = float(sys.argv[1]) if len(sys.argv) > 1 else 4.0
     tensors = [torch.randn(s, device="cuda", dtype=torch.bfloat16) for s in _shapes(gib)]
+    flat = torch.empty(sum(t.numel() * t.element_size() for t in tensors), dtype=torch.uint8, device="cuda")
     torch.cuda.synchronize()
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    p = ctx.Process(target=_child, args=([tuple(reduce_tensor(t)[1]) for t in tensors], q))
+    p = ctx.Process(target=_child, args=([tuple(reduce_tensor(t)[1]) for t in tensors], tuple(reduce_tensor(flat)[1]), q))
     p.start()
     res = q.get(timeout=600)
     p.join()

@@ -11,6 +11,8 @@ memcpy, on CUDA a device-to-device copy) and, on CUDA, ``host-staged`` (the ``te
 staging buffers in shared host memory: device -> host -> device). ``tensor`` and ``rdt`` copy every byte
 twice (into the staging bucket, out of it into the engine), ``tensor:in-place`` once (the engine reads the
 trainer's tensors through handles opened at the warm-up sync), ``:shadow`` staging once more at commit.
+``tensor:in-place`` asks the engine by ringing its doorbell on CUDA (miles.sync.doorbell) and by a Ray call on
+CPU; ``:ray`` and ``:doorbell`` force one or the other.
 
     miles bench weight-sync --json                                     # CPU: 8/32/128 MiB, all transports
     miles bench weight-sync --json                                     # CUDA: 256 MiB / 1 / 4 GiB on one shared GPU
@@ -42,6 +44,8 @@ TRANSPORTS = {  # variant -> (transport, engine staging, extra)
     "tensor:in-place": ("tensor", "direct", {"source": "in_place"}),
     "tensor:in-place:shadow": ("tensor", "shadow", {"source": "in_place"}),
     "tensor:in-place:kernel": ("tensor", "direct", {"source": "in_place", "copy": "kernel"}),  # CUDA: see receiver.CUDA_COPY
+    "tensor:in-place:ray": ("tensor", "direct", {"source": "in_place", "doorbell": False}),  # a Ray call per sync
+    "tensor:in-place:doorbell": ("tensor", "direct", {"source": "in_place", "doorbell": True}),  # (CUDA's default)
     "broadcast": ("broadcast", "direct", {}),
     "rdt": ("rdt", "direct", {}),
     "rdt:shadow": ("rdt", "shadow", {}),
@@ -51,10 +55,10 @@ TRANSPORTS = {  # variant -> (transport, engine staging, extra)
 }
 # rdt over gloo comes last: its Ray collective group makes the trainer process a torch.distributed world of 2,
 # which a transport that gathers over the default group (disk-delta) would then wait on forever.
-DEFAULTS = {"cpu": ["tensor", "tensor:shadow", "tensor:in-place", "tensor:in-place:shadow", "broadcast", "disk-delta", "rdt",
-                    "rdt:shadow", "rdt:in-place"],
-            "cuda": ["tensor", "tensor:shadow", "tensor:in-place", "tensor:in-place:shadow", "rdt", "rdt:shadow",
-                     "rdt:in-place", "host-staged"]}  # NCCL cannot pair two ranks on one GPU
+DEFAULTS = {"cpu": ["tensor", "tensor:shadow", "tensor:in-place", "tensor:in-place:doorbell", "tensor:in-place:shadow",
+                    "broadcast", "disk-delta", "rdt", "rdt:shadow", "rdt:in-place"],
+            "cuda": ["tensor", "tensor:shadow", "tensor:in-place", "tensor:in-place:ray", "tensor:in-place:shadow", "rdt",
+                     "rdt:shadow", "rdt:in-place", "host-staged"]}  # NCCL cannot pair two ranks on one GPU
 
 
 def _parse(argv: list[str], cuda: bool) -> argparse.Namespace:
@@ -101,13 +105,14 @@ class Trainer:
         extra = dict(extra)
         source = extra.pop("source", "bucket")
         extra.pop("copy", None)  # the engine side's setting (_one_size sets it)
+        doorbell = extra.pop("doorbell", None)  # None: the transport's default (rung on CUDA, called on CPU)
         rdt = "cuda_ipc" if self.device == "cuda" else "gloo"  # what auto picks without NIXL, named for in_place
         cfg = SyncConfig(transport=transport, update_weight_buffer_size=bucket_bytes, engine_staging=staging,
                          source=source, rdt_transport=rdt if transport == "rdt" else "auto")
         if cfg.source == "in_place" and transport == "tensor":
             from miles.sync.in_place import InPlaceSync
 
-            sync = InPlaceSync(cfg, self.device)
+            sync = InPlaceSync(cfg, self.device, doorbell=doorbell)
         elif transport == "tensor":
             from miles.sync.tensor import TensorSync
 
@@ -219,7 +224,7 @@ def _one_size(ray, target_bytes: int, device: str, args, num_gpus: float) -> dic
     row = {"target_mib": target_bytes / 2**20, "bytes": nbytes, "layers": model_cfg.num_hidden_layers,
            "copy_s": ray.get(trainer.copy_seconds.remote(args.repeats)), "transports": {}}
     row["copy_gbps"] = nbytes / row["copy_s"] / 1e9
-    row["ray_call_s"] = _round_trip(ray, engine)  # the floor of any sync that asks the engine anything
+    row["ray_call_s"] = _round_trip(ray, engine)  # the floor of any sync that asks the engine by Ray call
     version = 0
     with tempfile.TemporaryDirectory(prefix="miles-bench-sync-") as workdir:
         for variant in args.transports:

@@ -325,15 +325,11 @@ class EmbeddedEngine:
     def update_weights_in_place(self, shared, version: int) -> dict[str, float]:
         """One whole update read from the trainer's own tensors (miles.sync.in_place): handles opened once and
         kept, the bytes copied once, committed with ``version``; on failure the update is aborted."""
-        from miles.sync.in_place import OpenedWeights, receive_in_place
+        from miles.sync.in_place import InPlaceEndpoint
 
         if getattr(self, "_in_place", None) is None:
-            self._in_place = OpenedWeights()
-        self.pause_generation()
-        try:
-            return receive_in_place(shared, self._in_place, [self], version)
-        finally:
-            self.continue_generation()
+            self._in_place = InPlaceEndpoint([self])
+        return self._in_place.update(shared, version)
 
     def named_weights(self) -> dict[str, torch.Tensor]:
         return {k: v.detach() for k, v in self.model.hf_state_dict().items()}

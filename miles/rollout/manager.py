@@ -218,17 +218,11 @@ class RolloutManager:
 
     def update_weights_in_place(self, shared, version: int) -> dict[str, float]:
         """The trainer's tensors opened once for this process and copied into every engine (miles.sync.in_place)."""
-        from miles.sync.in_place import OpenedWeights, receive_in_place
+        from miles.sync.in_place import InPlaceEndpoint
 
         if getattr(self, "_in_place", None) is None:
-            self._in_place = OpenedWeights()
-        for e in self.engines:
-            e.pause_generation()
-        try:
-            return receive_in_place(shared, self._in_place, self.engines, version)
-        finally:
-            for e in self.engines:
-                e.continue_generation()
+            self._in_place = InPlaceEndpoint(self.engines)
+        return self._in_place.update(shared, version)
 
     def named_weights(self, engine: int = 0) -> dict[str, torch.Tensor]:
         return {k: v.clone() for k, v in self.engines[engine].named_weights().items()}

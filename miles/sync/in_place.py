@@ -22,6 +22,7 @@ trainer (world size > 1): its full tensors are gathered anew every sync. ``RunCo
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from miles.sync.base import SyncError, WeightManifest, byte_view, fused_group, submit, wait
+from miles.sync.doorbell import Doorbell, DoorbellClient, DoorbellError
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +52,7 @@ class SharedWeights:
     key: str  # changes whenever a tensor's storage moved or the set of tensors changed
     manifest: WeightManifest | None
     tensors: tuple[SharedTensor, ...] | None
+    doorbell: bool = False  # the engine process opens a doorbell (miles.sync.doorbell) for the updates that follow
 
 
 # ---- trainer side --------------------------------------------------------------------------------------------
@@ -73,8 +76,9 @@ def export(name: str, t: torch.Tensor) -> SharedTensor:
 
 def storage_key(named: list[tuple[str, torch.Tensor]]) -> str:
     """Identifies where every tensor's bytes are: equal keys mean handles exported before still point at them.
-    (Compared only against keys of the same trainer process.)"""
-    return f"{hash(tuple((n, t.data_ptr(), t.dtype, t.shape, t.device.index) for n, t in named)) & (2**64 - 1):016x}"
+    (Compared only against keys of the same trainer process; the device is the sync's, one for all tensors.)
+    Computed on every sync, so it reads only what it must: ~1 us per tensor."""
+    return f"{hash(tuple((n, t.data_ptr(), t.nbytes, t.dtype) for n, t in named)) & (2**64 - 1):016x}"
 
 
 class InPlaceSync:
@@ -83,11 +87,15 @@ class InPlaceSync:
 
     name = "tensor"
 
-    def __init__(self, cfg, device, *, is_source: bool = True, group_of=fused_group):
+    def __init__(self, cfg, device, *, is_source: bool = True, group_of=fused_group, doorbell: bool | None = None,
+                 timeout_s: float = 600.0):
         self.cfg, self.device, self.is_source, self.group_of = cfg, torch.device(device), is_source, group_of
+        self.doorbell = self.device.type == "cuda" if doorbell is None else doorbell  # see miles.sync.doorbell
+        self.timeout_s = timeout_s  # for an engine's answer to a doorbell
         self.engines: list = []
-        self._key, self._shared = "", ()
+        self._key, self._shared, self._nbytes = "", (), 0
         self._opened_by: set[int] = set()  # engines that hold the handles of self._key
+        self._bells: dict[int, DoorbellClient] = {}  # engines rung instead of called, once they hold the handles
         self.exports = 0  # how many times handles were exported (1 while the storages stay put)
         self._moved_last, self._warned = False, False
         self._metrics: dict[str, float] = {}
@@ -97,11 +105,12 @@ class InPlaceSync:
         if missing:
             raise ValueError(f"sync.source=in_place needs engines with update_weights_in_place (the embedded engine, the "
                              f"RolloutManager); {missing[0]!r} has none: use sync.source=bucket")
+        self._drop_bells()
         self.engines, self._opened_by = list(engines), set()
 
     def update(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         t0 = time.perf_counter()
-        named = [(n, t.detach()) for n, t in named_tensors]  # iterated on every rank (may be collective)
+        named = list(named_tensors)  # iterated on every rank (may be collective); detached only when exported
         if not self.is_source:
             return
         phases = {}
@@ -115,30 +124,43 @@ class InPlaceSync:
                                 "these weights are not resident at fixed addresses, use sync.source=bucket")
                 self._moved_last = bool(self._key)
                 self._shared = tuple(export(n, t) for n, t in named)
+                self._nbytes = sum(t.nbytes for _, t in named)
                 self._key, self._opened_by = storage_key(named), set()  # CPU export moved the storages once
                 self.exports += 1
-            known = SharedWeights(self._key, None, None)
+            known = SharedWeights(self._key, None, None, self.doorbell)
             fresh = known if len(self._opened_by) == len(self.engines) else SharedWeights(
-                self._key, WeightManifest.of(named, self.group_of, self.cfg.engine_staging), self._shared)
-            if any(t.is_cuda for _, t in named):
-                torch.cuda.synchronize(self.device)  # the optimizer's last writes land before engines read
+                self._key, WeightManifest.of(named, self.group_of, self.cfg.engine_staging), self._shared, self.doorbell)
             t = time.perf_counter()
             phases["export_s"] = t - t0
-            calls = [submit(e, "update_weights_in_place", known if i in self._opened_by else fresh, version)
-                     for i, e in enumerate(self.engines)]
-            inside = wait(calls)  # the engines have copied (and synchronized): the trainer may write again
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # the optimizer's last writes land before engines read
+            phases["device_wait_s"] = time.perf_counter() - t
+            t = time.perf_counter()
+            rung = [i for i in range(len(self.engines)) if i in self._opened_by and i in self._bells]
+            for i in rung:
+                self._bells[i].send(self._key, version)
+            called = [i for i in range(len(self.engines)) if i not in rung]
+            calls = [submit(self.engines[i], "update_weights_in_place", known if i in self._opened_by else fresh,
+                            version) for i in called]
+            inside = wait(calls) + [self._bells[i].answer(self.timeout_s) for i in rung]
+            # the engines have copied (and synchronized): the trainer may write again
             phases["engine_s"] = time.perf_counter() - t
+            phases["rung"] = len(rung)
+            for i, r in zip(called, inside):
+                if r and r.get("doorbell") and i not in self._bells:
+                    self._connect_bell(i, r["doorbell"])
             for k in ("open_s", "begin_s", "copy_s", "commit_s"):  # the slowest engine's phases
-                phases[f"engine_{k}"] = max((r or {}).get(k, 0.0) for r in inside)
+                phases[f"engine_{k}"] = max(((r or {}).get(k, 0.0) for r in inside), default=0.0)
             self._opened_by = set(range(len(self.engines)))
             if not fresh.tensors:
                 self._moved_last = False
         except Exception as e:
             self._opened_by = set()  # an engine may have dropped its handles: send them again next time
+            self._drop_bells()  # and ring no engine before it answered a call again
             raise SyncError(f"in-place weight update to version {version} failed ({type(e).__name__}: {e}); the "
                             "engines aborted it and keep serving their previous version") from e
         total = time.perf_counter() - t0
-        nbytes = sum(t.numel() * t.element_size() for _, t in named)
+        nbytes = self._nbytes
         self._metrics = {"sync/bytes": nbytes, "sync/buckets": 0, "sync/seconds": total, "sync/exports": self.exports,
                          "sync/gbps": nbytes / total / 1e9 if total else 0.0, **{f"sync/{k}": v for k, v in phases.items()}}
 
@@ -146,7 +168,20 @@ class InPlaceSync:
         return dict(self._metrics)
 
     def close(self) -> None:
+        self._drop_bells()
         self._shared, self._key = (), ""
+
+    def _connect_bell(self, i: int, address: str) -> None:
+        try:
+            self._bells[i] = DoorbellClient(address)
+        except DoorbellError as e:  # the update itself went through; later ones go by Ray call
+            log.warning("in-place sync rings no doorbell, using a Ray call per update instead: %s", e)
+            self.doorbell = False
+
+    def _drop_bells(self) -> None:
+        for b in self._bells.values():
+            b.close()
+        self._bells = {}
 
 
 # ---- engine side ---------------------------------------------------------------------------------------------
@@ -167,6 +202,39 @@ class OpenedWeights:
             raise ReceiveError(f"in-place update for handles {shared.key} but this engine holds {self.key or 'none'}; "
                                "the trainer must send the handles again (it does after a failed update)")
         return self.manifest, self.tensors
+
+
+class InPlaceEndpoint:
+    """What an engine process (an EmbeddedEngine actor, a RolloutManager) keeps for in-place updates of its
+    ``engines``: the opened handles and, once a trainer asked for it, a doorbell that runs the same update."""
+
+    def __init__(self, engines: list):
+        self.engines, self.opened = engines, OpenedWeights()
+        self.doorbell: Doorbell | None = None
+        self._one = threading.Lock()  # a Ray call and a ring never update at once
+
+    def update(self, shared: SharedWeights, version: int) -> dict:
+        with self._one:
+            for e in self.engines:
+                e.pause_generation()
+            try:
+                phases = receive_in_place(shared, self.opened, self.engines, version)
+            finally:
+                for e in self.engines:
+                    e.continue_generation()
+        if shared.doorbell:
+            if self.doorbell is None:
+                self.doorbell = Doorbell(self._ring)
+            phases["doorbell"] = self.doorbell.address
+        return phases
+
+    def _ring(self, key: str, version: int) -> dict:
+        return self.update(SharedWeights(key, None, None), version)
+
+    def close(self) -> None:
+        if self.doorbell is not None:
+            self.doorbell.close()
+            self.doorbell = None
 
 
 def open_shared(s: SharedTensor) -> torch.Tensor:

@@ -225,8 +225,8 @@ def _copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
 
 
 def _sync_device(items) -> None:
-    if any(d.is_cuda for _, d in items):
-        torch.cuda.current_stream().synchronize()  # the sender may reuse its buffer as soon as we return
+    for device in {d.device for _, d in items if d.is_cuda}:  # (this thread's current device may be another)
+        torch.cuda.current_stream(device).synchronize()  # the sender may reuse its buffer as soon as we return
 
 
 # ---- broadcast: a private process group per (engine process, group name) ----------------------------------

@@ -13,7 +13,8 @@ from miles.sync.check import check_weights, weights_differ
 from tests.conftest import tiny_run_cfg
 
 BUCKET = 4096  # bytes: smaller than most tensors of the tiny model, so rdt goes in many rounds
-TRANSPORTS = ["tensor", "tensor:in_place", "broadcast", "rdt", "rdt:in_place"]  # transport[:sync.source]
+TRANSPORTS = ["tensor", "tensor:in_place", "tensor:in_place:doorbell", "broadcast", "rdt", "rdt:in_place"]
+# transport[:sync.source[:doorbell]] (the doorbell is CUDA's default; forced on here)
 
 
 @pytest.fixture(scope="module")
@@ -45,11 +46,13 @@ def _use(actor, transport: str, engines) -> None:
 
     syncs = actor.__dict__.setdefault("_syncs", {})
     if transport not in syncs:
-        name, _, source = transport.partition(":")
+        name, source, bell = (transport.split(":") + ["", ""])[:3]
         cfg = replace(actor.cfg, sync=replace(actor.cfg.sync, transport=name, source=source or "bucket",
                                               rdt_transport="gloo" if name == "rdt" else "auto"),
                       handoff=replace(actor.cfg.handoff, offload_train="none" if source else actor.cfg.handoff.offload_train))
         syncs[transport] = make_sync(cfg, "cpu", is_source=True)
+        if bell:
+            syncs[transport].doorbell = True
         syncs[transport].connect(engines)
     actor.sync = syncs[transport]
 
@@ -179,3 +182,45 @@ def test_rdt_on_a_trainer_actor_ray_would_starve_fails_fast_instead_of_hanging(a
     err = ray.get(bare.__ray_call__.remote(_connect_rdt_in_place, [engine], 2.0))
     ray.kill(bare)
     assert "max_concurrency >= 1 + gpus_per_engine" in err
+
+
+def test_a_doorbell_rung_in_another_process_syncs_bit_equal_and_a_dead_engine_fails_the_sync_instead_of_hanging(
+        ray_session):
+    """This process is the trainer; an embedded engine in a Ray actor opens its doorbell at the first (called)
+    update and is rung for the rest. Killing the engine process turns the next update into a SyncError at once."""
+    import time
+
+    from miles.config import SyncConfig
+    from miles.model.config import ModelConfig
+    from miles.model.decoder import build_decoder
+    from miles.rollout.engine import EmbeddedEngine
+    from miles.sync.base import SyncError
+    from miles.sync.in_place import InPlaceSync
+
+    ray = ray_session
+    cfg = ModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=32)
+    named = [(n, t.detach().clone()) for n, t in build_decoder(cfg, seed=5).hf_state_dict().items()
+             if n != "lm_head.weight" or not cfg.tie_word_embeddings]
+    engine = ray.remote(EmbeddedEngine).options(num_cpus=0).remote(cfg, max_batch_size=1, max_seq_len=8)
+    sync = InPlaceSync(SyncConfig(source="in_place", engine_staging="direct"), "cpu", doorbell=True, timeout_s=60)
+    sync.connect([engine])
+    rung = []
+    try:
+        for version in (1, 2, 3):
+            with torch.no_grad():
+                for _, t in named:
+                    t.add_(0.01 * version)
+            sync.update(named, version)
+            rung.append(sync.metrics()["sync/rung"])
+            check_weights(named, ray.get(engine.named_weights.remote()))
+        assert rung == [0, 1, 1]
+        assert ray.get(engine.__ray_call__.remote(lambda e: e.weight_version)) == 3
+        ray.kill(engine)
+        time.sleep(0.5)
+        t0 = time.perf_counter()
+        with pytest.raises(SyncError, match="did the engine process die"):
+            sync.update(named, 4)
+        assert time.perf_counter() - t0 < 10
+    finally:
+        sync.close()
