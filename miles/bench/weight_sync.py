@@ -43,7 +43,6 @@ TRANSPORTS = {  # variant -> (transport, engine staging, extra)
     "tensor:shadow": ("tensor", "shadow", {}),
     "tensor:in-place": ("tensor", "direct", {"source": "in_place"}),
     "tensor:in-place:shadow": ("tensor", "shadow", {"source": "in_place"}),
-    "tensor:in-place:kernel": ("tensor", "direct", {"source": "in_place", "copy": "kernel"}),  # CUDA: see receiver.CUDA_COPY
     "tensor:in-place:ray": ("tensor", "direct", {"source": "in_place", "doorbell": False}),  # a Ray call per sync
     "tensor:in-place:doorbell": ("tensor", "direct", {"source": "in_place", "doorbell": True}),  # (CUDA's default)
     "broadcast": ("broadcast", "direct", {}),
@@ -104,7 +103,6 @@ class Trainer:
         transport, staging, extra = TRANSPORTS[variant]
         extra = dict(extra)
         source = extra.pop("source", "bucket")
-        extra.pop("copy", None)  # the engine side's setting (_one_size sets it)
         doorbell = extra.pop("doorbell", None)  # None: the transport's default (rung on CUDA, called on CPU)
         rdt = "cuda_ipc" if self.device == "cuda" else "gloo"  # what auto picks without NIXL, named for in_place
         cfg = SyncConfig(transport=transport, update_weight_buffer_size=bucket_bytes, engine_staging=staging,
@@ -144,6 +142,20 @@ class Trainer:
         self.syncs[variant].update(self.named, version)
         return time.perf_counter() - t0, self.syncs[variant].metrics()
 
+    def rdt_floor_seconds(self, variant: str, engine, calls: int) -> float:
+        """One RDT transfer of one 1 KiB tensor from this actor to ``engine`` through the sync's transport (the
+        same self-call publish and engine-side pull a round of weights takes): what an rdt sync costs at least."""
+        import ray
+
+        sync = self.syncs[variant]
+        times = []
+        for _ in range(calls + 1):
+            t0 = time.perf_counter()
+            ref = sync.me.__ray_call__.options(tensor_transport=sync.transport).remote(_tiny, self.device)
+            ray.get(engine.__ray_call__.remote(_numel, ref))
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times[1:])
+
     def copy_seconds(self, repeats: int) -> float:
         """One flat copy of the same bytes in this process (memcpy on CPU, device-to-device on CUDA)."""
         src = torch.empty(self.nbytes(), dtype=torch.uint8, device=self.device)
@@ -166,6 +178,14 @@ class Trainer:
         for s in self.syncs.values():
             if hasattr(s, "close"):
                 s.close()
+
+
+def _tiny(actor, device: str) -> list[torch.Tensor]:
+    return [torch.zeros(256, device=device)]
+
+
+def _numel(actor, tensors: list[torch.Tensor]) -> int:
+    return sum(t.numel() for t in tensors)
 
 
 def _fingerprint(t: torch.Tensor) -> tuple[int, int]:
@@ -203,12 +223,6 @@ def _noop(actor) -> None:
     return None
 
 
-def _set_cuda_copy(actor, mode: str) -> None:
-    import miles.sync.receiver as receiver
-
-    receiver.CUDA_COPY = mode
-
-
 def _one_size(ray, target_bytes: int, device: str, args, num_gpus: float) -> dict:
     from miles.rollout.engine import EmbeddedEngine
 
@@ -229,7 +243,6 @@ def _one_size(ray, target_bytes: int, device: str, args, num_gpus: float) -> dic
     with tempfile.TemporaryDirectory(prefix="miles-bench-sync-") as workdir:
         for variant in args.transports:
             try:
-                ray.get(engine.__ray_call__.remote(_set_cuda_copy, TRANSPORTS[variant][2].get("copy", "memcpy")))
                 ray.get(trainer.connect.remote(variant, int(args.bucket_mib * 2**20), [engine], workdir))
                 times, phases = [], []
                 for _ in range(args.repeats + 1):
@@ -245,6 +258,9 @@ def _one_size(ray, target_bytes: int, device: str, args, num_gpus: float) -> dic
                 row["transports"][variant] = {"median_s": s, "gbps": nbytes / s / 1e9, "first_s": times[0],
                                               "x_copy": s / row["copy_s"], "check": "fingerprint" if fingerprint else "bit-equal",
                                               "check_ok": not bad, "last_phases": phases[-1]}
+                if TRANSPORTS[variant][0] == "rdt":
+                    row["transports"][variant]["rdt_floor_s"] = ray.get(
+                        trainer.rdt_floor_seconds.remote(variant, engine, args.repeats))
             except Exception as e:  # one transport failing must not hide the others' figures
                 log.exception("weight-sync bench: %s failed", variant)
                 row["transports"][variant] = {"error": f"{type(e).__name__}: {e}"[:500]}

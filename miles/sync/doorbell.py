@@ -27,6 +27,7 @@ import socket
 import struct
 import tempfile
 import threading
+import weakref
 from collections.abc import Callable
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,7 @@ class Doorbell:
         self._sock.bind(self.address)
         self._sock.listen(4)
         self._closed = False
+        self._cleanup = weakref.finalize(self, shutil.rmtree, self._dir, True)  # also at exit (not after SIGKILL)
         self._thread = threading.Thread(target=self._accept, name="miles-doorbell", daemon=True)
         self._thread.start()
 
@@ -88,7 +90,7 @@ class Doorbell:
         except OSError:
             pass
         self._sock.close()
-        shutil.rmtree(self._dir, ignore_errors=True)
+        self._cleanup()
 
 
 class DoorbellClient:
