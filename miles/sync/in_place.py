@@ -6,7 +6,11 @@ a shared-memory file, once), the engine opens those handles once and keeps them,
 engine call that copies straight from the trainer's tensors into the engine's weights (through the same
 transactional receiver as every transport: validated first, shadow or direct, version set at commit). Handles
 are exported again only when a tensor's storage moved (a new address), so a sync costs one device copy of the
-bytes plus one Ray round trip per engine process.
+bytes plus one request to each engine process. On CUDA that request, after the first update, is a doorbell
+(miles.sync.doorbell: a Unix socket the engine process serves from a thread) instead of a Ray call: H200, 4.17 GB
+of bf16 weights, 3.6 ms per sync by doorbell vs 5.3 ms by Ray call, a device-to-device copy of the same bytes
+2.0 ms. On CPU the Ray call stays (a copy on a second thread of the engine process would start a second OpenMP
+team there, miles.threads); ``InPlaceSync(doorbell=True/False)`` overrides either default.
 
 When to use it: trainer and engines on one host (one GPU shared by two processes, or colocated), the trainer's
 weights resident between steps and at fixed addresses. Not with a trainer that offloads its parameters
@@ -16,7 +20,7 @@ trainer (world size > 1): its full tensors are gathered anew every sync. ``RunCo
 
     sync = InPlaceSync(cfg.sync, "cuda"); sync.connect([engine_actor])
     sync.update(backend.named_weights(), version=1)   # exports handles (first time), then one call per engine
-    sync.update(backend.named_weights(), version=2)   # handles reused: one copy of the bytes
+    sync.update(backend.named_weights(), version=2)   # handles reused: one copy of the bytes, the doorbell rung
 """
 
 from __future__ import annotations
