@@ -5,6 +5,11 @@ shape and at a training shape (FP32, and bf16 for comparison); the rollout's 32 
 ``generate`` on the same weights; and one in-process training step (forward + backward + AdamW) of the rollout's
 batch. These are the floors under both sides of ``miles bench trl-parity``. Medians of ``--repeats``.
 
+``arithmetic_floor`` turns them into a lower bound on any FP32 implementation's RL step: the matrix-product FLOPs
+of the step (weights x tokens only: 6 per weight per trained token, 2 per weight per generated token; attention
+scores, norms, sampling, the optimizer and all overheads left out) divided by the best FP32 matmul rate measured
+above. No implementation of the same step in FP32 on this machine can be faster than ``step_s``.
+
     miles bench cpu-floors --json
 """
 
@@ -60,6 +65,7 @@ def run(argv: list[str]) -> dict:
     batch = co.manager.generate(0)[0][0]
     out["miles_train_step_s"] = _median_s(lambda: co.backend.train_step(batch), args.repeats)
     out["train_tokens"] = list(batch.tokens.shape)
+    out["arithmetic_floor"] = _arithmetic_floor(co.backend.model, cfg, out)
 
     hf = Qwen2ForCausalLM(Qwen2Config(**m.to_hf())).float().eval()
     hf.load_state_dict(co.backend.model.hf_state_dict(), strict=False)
@@ -72,3 +78,18 @@ def run(argv: list[str]) -> dict:
     out["note"] = (f"miles rollout = {n_seq} completions of up to {r.max_new_tokens} tokens with rewards and batches; "
                    f"HF generate = {n_seq} x {r.max_new_tokens} tokens exactly (no stop), 12-token prompts")
     return out
+
+
+def _arithmetic_floor(model, cfg, out: dict) -> dict:
+    """Seconds the step's weight x token products need at the best FP32 matmul rate measured (a lower bound)."""
+    m, r = cfg.model, cfg.rollout
+    weights = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and "embed_tokens" not in n)
+    if m.tie_word_embeddings:  # the output projection is the embedding matrix, used as a matmul
+        weights += m.vocab_size * m.hidden_size
+    rows, length = out["train_tokens"]
+    completions = r.num_prompts_per_step * r.n_samples_per_prompt
+    best = max(v["gflops"] for k, v in out["matmul_gflops"].items() if not k.endswith("_bf16")) * 1e9
+    train_s = 6 * weights * rows * length / best
+    rollout_s = 2 * weights * completions * r.max_new_tokens / best  # generated tokens only, prompts left out
+    return {"matmul_weights": weights, "fp32_gflops_used": best / 1e9, "train_s": train_s, "rollout_s": rollout_s,
+            "step_s": train_s + rollout_s}
