@@ -45,3 +45,19 @@ def ray_session():
         start_ray(num_cpus=max(2, os.cpu_count() or 1), threads=1)
     yield ray
     ray.shutdown()
+
+
+def in_place_versions(sync, named, versions, engine_weights) -> list[int]:
+    """Move every trainer tensor, sync it as each of ``versions`` and check the engine bit-equal after each;
+    returns how many engines were rung (not called) per sync (miles.sync.in_place's ``sync/rung``)."""
+    from miles.sync.check import check_weights
+
+    rung = []
+    for version in versions:
+        with torch.no_grad():
+            for _, t in named:
+                t.add_(0.01)
+        sync.update(named, version)
+        rung.append(sync.metrics()["sync/rung"])
+        check_weights(named, engine_weights())
+    return rung

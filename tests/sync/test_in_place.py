@@ -14,6 +14,7 @@ from miles.rollout.engine import EmbeddedEngine
 from miles.sync.check import check_weights
 from miles.sync.base import SyncError
 from miles.sync.in_place import InPlaceSync
+from tests.conftest import in_place_versions
 
 CFG = ModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   max_position_embeddings=32)
@@ -43,15 +44,8 @@ def test_a_doorbell_runs_every_update_after_the_first_and_a_failed_ring_keeps_th
     engine = EmbeddedEngine(CFG, max_batch_size=1, max_seq_len=8)
     sync = InPlaceSync(SyncConfig(source="in_place", engine_staging="shadow"), "cpu", doorbell=True, timeout_s=30)
     sync.connect([engine])
-    rung = []
     try:
-        for version in (1, 2, 3):
-            with torch.no_grad():
-                for _, t in named:
-                    t.add_(0.01)
-            sync.update(named, version)
-            rung.append(sync.metrics()["sync/rung"])
-            check_weights(named, engine.named_weights())
+        rung = in_place_versions(sync, named, (1, 2, 3), engine.named_weights)
         assert rung == [0, 1, 1] and engine.weight_version == 3 and sync.exports == 1
         engine.release_memory(["weights"])  # an engine that cannot take the update
         with torch.no_grad():

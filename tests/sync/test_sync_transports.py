@@ -10,7 +10,7 @@ import torch
 
 from miles.sync.base import fused_group, plan_buckets
 from miles.sync.check import check_weights, weights_differ
-from tests.conftest import tiny_run_cfg
+from tests.conftest import in_place_versions, tiny_run_cfg
 
 BUCKET = 4096  # bytes: smaller than most tensors of the tiny model, so rdt goes in many rounds
 TRANSPORTS = ["tensor", "tensor:in_place", "tensor:in_place:doorbell", "broadcast", "rdt", "rdt:in_place"]
@@ -205,15 +205,8 @@ def test_a_doorbell_rung_in_another_process_syncs_bit_equal_and_a_dead_engine_fa
     engine = ray.remote(EmbeddedEngine).options(num_cpus=0).remote(cfg, max_batch_size=1, max_seq_len=8)
     sync = InPlaceSync(SyncConfig(source="in_place", engine_staging="direct"), "cpu", doorbell=True, timeout_s=60)
     sync.connect([engine])
-    rung = []
     try:
-        for version in (1, 2, 3):
-            with torch.no_grad():
-                for _, t in named:
-                    t.add_(0.01 * version)
-            sync.update(named, version)
-            rung.append(sync.metrics()["sync/rung"])
-            check_weights(named, ray.get(engine.named_weights.remote()))
+        rung = in_place_versions(sync, named, (1, 2, 3), lambda: ray.get(engine.named_weights.remote()))
         assert rung == [0, 1, 1]
         assert ray.get(engine.__ray_call__.remote(lambda e: e.weight_version)) == 3
         ray.kill(engine)
