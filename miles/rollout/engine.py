@@ -17,6 +17,7 @@ from miles.memory import MemoryLedger, TaggedMemory
 from miles.model.config import ModelConfig
 from miles.model.decoder import KVCache, build_decoder
 from miles.policy.logprob import log_probs_and_entropy
+from miles.sync.receiver import UpdateCalls
 
 ENGINE_TAGS = ("weights", "kv_cache", "cuda_graph")
 
@@ -49,7 +50,7 @@ class EngineError(ValueError):
     """Bad input to the engine (the engine itself keeps serving)."""
 
 
-class EmbeddedEngine:
+class EmbeddedEngine(UpdateCalls):
     """Generates with the current weights; weights and KV cache can be released and resumed between steps.
 
     engine = EmbeddedEngine(model_cfg, max_batch_size=64, max_seq_len=128)

@@ -17,13 +17,14 @@ from miles.policy.advantages import group_advantages
 from miles.rollout.engine import EmbeddedEngine, GenerateRequest, SamplingParams
 from miles.rollout.sample import Sample
 from miles.rollout.tasks import Task
+from miles.sync.receiver import UpdateCalls
 from miles.threads import init_on_compute_thread, on_compute_thread
 from miles.train.batch import TrainBatch, collate, shard
 
 LEVEL_TAGS = {"kv_cache": ("kv_cache", "cuda_graph"), "weight": ("weights",)}
 
 
-class RolloutManager:
+class RolloutManager(UpdateCalls):
     """manager = RolloutManager(cfg, device="cpu")
     batches, metrics = manager.generate(step)        # one TrainBatch per data-parallel rank
     manager.offload(["cuda_graph", "kv_cache", "weights"]); ...; manager.onload(["weights"])

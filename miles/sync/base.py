@@ -262,7 +262,8 @@ class SyncTimer:
 class BucketSync:
     """Template for transports that move buckets: subclasses implement ``_send(index, pieces)`` (and may
     override ``_start``/``_finish``); this class runs pause -> flush -> begin -> buckets -> commit -> continue
-    and aborts the update on every engine when anything fails in between.
+    and aborts the update on every engine when anything fails in between. An engine with ``open_weight_update`` /
+    ``commit_weight_update`` (miles.sync.receiver.UpdateCalls) gets the steps around the buckets in two calls.
 
         sync = TensorSync(cfg, "cpu"); sync.connect([engine])
         sync.update(backend.named_weights(), version=1)      # every trainer rank calls it
@@ -277,10 +278,12 @@ class BucketSync:
         self.engines: list[Any] = []
         self._metrics: dict[str, float] = {}
         self._transactional: list[bool] = []
+        self._two_calls: list[bool] = []
 
     def connect(self, engines: list[Any]) -> None:
         self.engines = list(engines)
         self._transactional = [hasattr(e, "begin_weight_update") for e in self.engines]
+        self._two_calls = [hasattr(e, "open_weight_update") for e in self.engines]  # miles.sync.receiver.UpdateCalls
         for e, ok in zip(self.engines, self._transactional):
             if not ok:
                 log.warning("engine %r has no begin_weight_update: a failure mid-sync can leave it with a mix of "
@@ -294,11 +297,8 @@ class BucketSync:
                 pass
             return
         timer = SyncTimer()
-        self._each("pause_generation", "in_place")
-        self._each("flush_cache")
         try:
-            manifest = WeightManifest.of(named, self.group_of, self.cfg.engine_staging)
-            self._each("begin_weight_update", manifest, only_transactional=True)
+            self._open(WeightManifest.of(named, self.group_of, self.cfg.engine_staging))
             t = timer.add("begin", t0)
             self._start(timer)
             for i, pieces in enumerate(plan_buckets(named, self._bucket_bytes(), self.group_of, split=self.split)):
@@ -307,14 +307,13 @@ class BucketSync:
                 timer.buckets += 1
             self._finish(timer)
             t = time.perf_counter()
-            self._each("set_weight_version", version)
+            self._commit(version)
             timer.add("commit", t)
         except Exception as e:
             self._abort()
+            self._each("continue_generation", quiet=True)
             raise SyncError(f"{self.name} weight update to version {version} failed ({type(e).__name__}: {e}); "
                             "the engines aborted it and keep serving their previous version") from e
-        finally:
-            self._each("continue_generation", quiet=True)
         self._metrics = timer.metrics("sync", time.perf_counter() - t0)
 
     def metrics(self) -> dict[str, float]:
@@ -339,8 +338,24 @@ class BucketSync:
     def _abort(self) -> None:
         self._each("abort_weight_update", only_transactional=True, quiet=True)
 
-    def _each(self, method: str, *args, only_transactional: bool = False, quiet: bool = False) -> list:
-        engines = [e for e, ok in zip(self.engines, self._transactional) if ok or not only_transactional]
+    def _open(self, manifest: WeightManifest) -> None:
+        """pause -> flush -> begin on every engine: one call where the engine takes them together."""
+        self._each("pause_generation", "in_place", one_by_one=True)
+        self._each("flush_cache", one_by_one=True)
+        self._each("begin_weight_update", manifest, only_transactional=True, one_by_one=True)
+        wait([submit(e, "open_weight_update", manifest) for e, two in zip(self.engines, self._two_calls) if two])
+
+    def _commit(self, version: int) -> None:
+        """set version (commit) -> continue on every engine: one call where the engine takes them together."""
+        self._each("set_weight_version", version, one_by_one=True)
+        self._each("continue_generation", one_by_one=True)
+        wait([submit(e, "commit_weight_update", version) for e, two in zip(self.engines, self._two_calls) if two])
+
+    def _each(self, method: str, *args, only_transactional: bool = False, quiet: bool = False,
+              one_by_one: bool = False) -> list:
+        """``method`` on every engine (only those that take a whole sync's steps one by one, if asked)."""
+        engines = [e for e, ok, two in zip(self.engines, self._transactional, self._two_calls)
+                   if (ok or not only_transactional) and not (one_by_one and two)]
         try:
             return wait([submit(e, method, *args) for e in engines])
         except Exception:

@@ -1,4 +1,5 @@
-"""host_bytes: the bytes of a live tensor for numpy code, without pinning its storage's size."""
+"""miles.sync.base: host_bytes (the bytes of a live tensor for numpy code, without pinning its storage's size) and
+the engine calls BucketSync makes around its buckets."""
 
 import numpy as np
 import pytest
@@ -21,3 +22,57 @@ def test_host_bytes_rejects_what_it_cannot_view():
     with pytest.raises(ValueError, match="contiguous CPU tensor"):
         host_bytes(torch.randn(4, 4).t())
     assert host_bytes(torch.empty(0)).size == 0
+
+
+class _Recorded:
+    """An embedded engine's weight-update methods, with every call the sync makes recorded; ``two`` adds the
+    two-call form (UpdateCalls), otherwise the engine takes the steps one by one."""
+
+    STEPS = ("pause_generation", "flush_cache", "begin_weight_update", "set_weight_version", "continue_generation",
+             "abort_weight_update", "update_weights_from_bucket")
+
+    def __init__(self, engine, two: bool):
+        self.engine, self.calls = engine, []
+        for name in self.STEPS + (("open_weight_update", "commit_weight_update") if two else ()):
+            setattr(self, name, self._recording(name, getattr(engine, name)))
+
+    def _recording(self, name, fn):
+        def call(*args, **kwargs):
+            self.calls.append(name)
+            return fn(*args, **kwargs)
+        return call
+
+
+@pytest.mark.parametrize("two", [True, False], ids=["two-calls", "one-by-one"])
+def test_a_bucketed_sync_takes_two_engine_calls_around_its_buckets_where_the_engine_offers_them(two):
+    from miles.config import SyncConfig
+    from miles.model.config import ModelConfig
+    from miles.model.decoder import build_decoder
+    from miles.rollout.engine import EmbeddedEngine
+    from miles.sync.base import SyncError
+    from miles.sync.check import check_weights
+    from miles.sync.tensor import TensorSync
+
+    cfg = ModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=32)
+    named = [(n, t.detach().clone() + 0.5) for n, t in build_decoder(cfg, seed=2).hf_state_dict().items()
+             if n != "lm_head.weight" or not cfg.tie_word_embeddings]
+    engine = EmbeddedEngine(cfg, max_batch_size=1, max_seq_len=8)
+    rec = _Recorded(engine, two)
+    sync = TensorSync(SyncConfig(update_weight_buffer_size=1 << 20), "cpu")
+    sync.connect([rec])
+    sync.update(named, 1)
+    check_weights(named, engine.named_weights())
+    around = [c for c in rec.calls if c != "update_weights_from_bucket"]
+    assert around == (["open_weight_update", "commit_weight_update"] if two else
+                      ["pause_generation", "flush_cache", "begin_weight_update", "set_weight_version",
+                       "continue_generation"])
+    assert engine.weight_version == 1 and engine._running.is_set()
+
+    rec.calls.clear()
+    broken = named[:5] + [(named[5][0], torch.empty_like(named[5][1], device="meta"))] + named[6:]
+    with pytest.raises(SyncError, match="keep serving their previous version"):
+        sync.update(broken, 2)
+    assert rec.calls[-2:] == ["abort_weight_update", "continue_generation"]  # aborted, then generating again
+    assert engine.weight_version == 1 and engine._running.is_set()
+    check_weights(named, engine.named_weights())  # shadow staging: the served weights are untouched
