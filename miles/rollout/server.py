@@ -129,7 +129,9 @@ class EngineServer:
         await self.batcher.stop()
 
     def _routes(self) -> None:
-        app, e = self.app, self.engine
+        """The HTTP surface, by group: serving, control (versions, pause, memory), weight updates (by request, by
+        broadcast group), inspection."""
+        app = self.app
 
         @app.exception_handler(ValueError)  # EngineError, WireError and the sync receiver's checks: bad input
         async def bad_request(_, exc):
@@ -142,6 +144,13 @@ class EngineServer:
         @app.exception_handler(Conflict)
         async def conflict(_, exc):
             return _error(409, str(exc))
+
+        for group in (self._serving_routes, self._control_routes, self._weight_routes, self._group_routes,
+                      self._inspection_routes):
+            group(app, self.engine)
+
+    def _serving_routes(self, app: FastAPI, e: EmbeddedEngine) -> None:
+        """SGLang-compatible generation and the read-only status endpoints."""
 
         @app.api_route("/generate", methods=["POST", "PUT"])
         async def generate(request: Request):
@@ -180,6 +189,9 @@ class EngineServer:
         @app.get("/get_weight_version")
         async def weight_version():
             return {"weight_version": e.weight_version}
+
+    def _control_routes(self, app: FastAPI, e: EmbeddedEngine) -> None:
+        """Weight version, cache, aborts, pause / continue, memory release / resume."""
 
         @app.post("/update_weight_version")
         async def update_weight_version(request: Request):
@@ -231,6 +243,9 @@ class EngineServer:
         async def resume(request: Request):
             return await self._memory(e.resume_memory, _tags(await _body(request)))
 
+    def _weight_routes(self, app: FastAPI, e: EmbeddedEngine) -> None:
+        """Weight updates: tensor buckets, transactions, disk deltas."""
+
         @app.post("/update_weights_from_tensor")
         async def update_from_tensor(request: Request):
             body = await _body(request)
@@ -268,6 +283,9 @@ class EngineServer:
             await asyncio.to_thread(e.update_weights_from_disk, path, _version(body.get("weight_version")))
             return {"success": True, "message": f"loaded {path}; weight version {e.weight_version}", "num_paused_requests": 0}
 
+    def _group_routes(self, app: FastAPI, e: EmbeddedEngine) -> None:
+        """Weight updates by torch.distributed broadcast: join a group, receive into it, leave it."""
+
         @app.post("/init_weights_update_group")
         async def init_group(request: Request):
             body = await _body(request)
@@ -294,6 +312,9 @@ class EngineServer:
         async def destroy_group(request: Request):
             await asyncio.to_thread(e.destroy_weights_update_group, (await _body(request)).get("group_name", "weight_update_group"))
             return {"success": True, "message": "weights update group destroyed"}
+
+    def _inspection_routes(self, app: FastAPI, e: EmbeddedEngine) -> None:
+        """Weights, memory and the ledger, for checks and the dashboard."""
 
         @app.api_route("/get_weights_by_name", methods=["GET", "POST"])
         async def weights_by_name(request: Request):
