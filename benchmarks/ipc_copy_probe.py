@@ -67,13 +67,16 @@ def _child(handles, flat_handle, q) -> None:
             else:
                 d8.copy_(s8)
 
-    res = {"bytes": nbytes, "tensors": len(remote),
-           "flat_local_s": _timed(lambda: b.copy_(a)),
-           "local_tensors_s": _timed(lambda: per_tensor(other, local)),
-           "ipc_memcpy_s": _timed(lambda: per_tensor(remote, local)),
-           "ipc_kernel_s": _timed(lambda: kernel(remote, local)),
-           "ipc_flat_s": _timed(lambda: b.copy_(flat)),
-           "ipc_flat_kernel_s": _timed(lambda: kernel([flat], [b]))}
+    res = {
+        "bytes": nbytes,
+        "tensors": len(remote),
+        "flat_local_s": _timed(lambda: b.copy_(a)),
+        "local_tensors_s": _timed(lambda: per_tensor(other, local)),
+        "ipc_memcpy_s": _timed(lambda: per_tensor(remote, local)),
+        "ipc_kernel_s": _timed(lambda: kernel(remote, local)),
+        "ipc_flat_s": _timed(lambda: b.copy_(flat)),
+        "ipc_flat_kernel_s": _timed(lambda: kernel([flat], [b])),
+    }
     res["ipc_equal"] = all(torch.equal(x, y) for x, y in zip(remote, local))
     q.put(res)
 
@@ -87,7 +90,9 @@ def main() -> None:
     torch.cuda.synchronize()
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    p = ctx.Process(target=_child, args=([tuple(reduce_tensor(t)[1]) for t in tensors], tuple(reduce_tensor(flat)[1]), q))
+    p = ctx.Process(
+        target=_child, args=([tuple(reduce_tensor(t)[1]) for t in tensors], tuple(reduce_tensor(flat)[1]), q)
+    )
     p.start()
     res = q.get(timeout=600)
     p.join()

@@ -41,8 +41,10 @@ def _summary(out: dict) -> str:
 
 def _delegate(module: str):
     """Subcommands owned by a room: forward the raw arguments to ``<module>.main(argv)``."""
+
     def run(args) -> int:
         return importlib.import_module(module).main(args.rest)
+
     return run
 
 
@@ -54,8 +56,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="run RL from a recipe")
     t.add_argument("--recipe", default="quickstart")
-    t.add_argument("--set", action="extend", nargs="+", metavar="SECTION.FIELD=VALUE",
-                   help="override config fields: --set trainer.lr=1e-4 num_steps=8 (repeatable)")
+    t.add_argument(
+        "--set",
+        action="extend",
+        nargs="+",
+        metavar="SECTION.FIELD=VALUE",
+        help="override config fields: --set trainer.lr=1e-4 num_steps=8 (repeatable)",
+    )
     t.add_argument("--no-progress", action="store_true")
     t.set_defaults(func=_train)
     b = sub.add_parser("bench", help="run a named benchmark; results go to benchmarks/results/")
@@ -63,9 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", action="store_true", help="print the full JSON result")
     b.add_argument("rest", nargs=argparse.REMAINDER)
     b.set_defaults(func=_bench)
-    for name, module, text in (("plan", "miles.planner", "predict device/host memory peaks of a recipe on hardware"),
-                               ("serve", "miles.rollout.server", "serve the embedded engine over SGLang's HTTP API"),
-                               ("dashboard", "miles.dashboard.server", "browse a run directory in a web UI")):
+    for name, module, text in (
+        ("plan", "miles.planner", "predict device/host memory peaks of a recipe on hardware"),
+        ("serve", "miles.rollout.server", "serve the embedded engine over SGLang's HTTP API"),
+        ("dashboard", "miles.dashboard.server", "browse a run directory in a web UI"),
+    ):
         s = sub.add_parser(name, help=text, add_help=False)
         s.add_argument("rest", nargs=argparse.REMAINDER)
         s.set_defaults(func=_delegate(module))

@@ -24,9 +24,14 @@ def start_ray(address: str = "", *, num_cpus: int | None = None, threads: int = 
     os.environ.setdefault("RAY_enable_metrics_collection", "0")  # no metrics agent to wait for; miles has its ledger
     for attempt in range(3):  # Ray's own wait for the node to register is a fixed 30 s; retry on a loaded machine
         try:
-            ray.init(address=address or None, num_cpus=None if address else num_cpus, include_dashboard=False,
-                     logging_level=logging.WARNING, log_to_driver=True,
-                     runtime_env={"env_vars": {"OMP_NUM_THREADS": str(threads), "PYTHONPATH": _driver_pythonpath()}})
+            ray.init(
+                address=address or None,
+                num_cpus=None if address else num_cpus,
+                include_dashboard=False,
+                logging_level=logging.WARNING,
+                log_to_driver=True,
+                runtime_env={"env_vars": {"OMP_NUM_THREADS": str(threads), "PYTHONPATH": _driver_pythonpath()}},
+            )
             return
         except Exception as e:
             if "timed out during startup" not in str(e) or attempt == 2:
@@ -86,8 +91,11 @@ class Cluster:
         self.cfg = cfg
         self.owns_ray = not ray.is_initialized()
         if self.owns_ray:
-            start_ray(cfg.ray_address, num_cpus=max(os.cpu_count() or 1, cfg.trainer.world_size),
-                      threads=cfg.num_threads or os.cpu_count() or 1)
+            start_ray(
+                cfg.ray_address,
+                num_cpus=max(os.cpu_count() or 1, cfg.trainer.world_size),
+                threads=cfg.num_threads or os.cpu_count() or 1,
+            )
         self.device = resolve_device(cfg)
         gpu = 1 if self.device == "cuda" else 0
         bundle = {"CPU": 1, **({"GPU": 1} if gpu else {})}
@@ -96,11 +104,17 @@ class Cluster:
         self.trainer = TrainGroup(cfg, self.pg, num_gpus_per_actor=0.45 * gpu)
         # the engine side of rdt: its receive call waits inside the actor while Ray's transfer needs a second slot
         rdt = cfg.sync.transport == "rdt"
-        self.rollout = ray.remote(RolloutManager).options(
-            num_cpus=0.01, num_gpus=0.45 * gpu, **actor_options(2 if rdt else 1),  # one torch thread: miles/threads.py
-            **({"enable_tensor_transport": True} if rdt else {}),
-            scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=0),
-        ).remote(cfg, self.device)
+        self.rollout = (
+            ray.remote(RolloutManager)
+            .options(
+                num_cpus=0.01,
+                num_gpus=0.45 * gpu,
+                **actor_options(2 if rdt else 1),  # one torch thread: miles/threads.py
+                **({"enable_tensor_transport": True} if rdt else {}),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=0),
+            )
+            .remote(cfg, self.device)
+        )
         self.trainer.call("connect_sync", [self.rollout])
         self.sync_metrics: dict = {}
 

@@ -49,8 +49,10 @@ class Colocated:
 
     def __init__(self, cfg: RunConfig, device: str = "cpu", disk_dir: str | None = None):
         if cfg.trainer.world_size != 1:
-            raise ValueError(f"Colocated runs one trainer rank; trainer.world_size = {cfg.trainer.world_size}: use "
-                             f"miles.cluster.Cluster for more ranks")
+            raise ValueError(
+                f"Colocated runs one trainer rank; trainer.world_size = {cfg.trainer.world_size}: use "
+                f"miles.cluster.Cluster for more ranks"
+            )
         self.cfg, self.device = cfg, device
         self.manager = RolloutManager(cfg, device)
         self.ledger = self.manager.ledger
@@ -73,8 +75,9 @@ class Colocated:
             n = self._call(s, version)
             if self.device == "cuda":
                 torch.cuda.synchronize()
-            rec = StepRecord(phase, s, n, time.perf_counter() - t0, self._drain(), _allocated(self.device),
-                             self.held_device_bytes())
+            rec = StepRecord(
+                phase, s, n, time.perf_counter() - t0, self._drain(), _allocated(self.device), self.held_device_bytes()
+            )
             self.records.append(rec)
             moved[s.key] = moved.get(s.key, 0) + n
         return moved
@@ -105,9 +108,16 @@ class Colocated:
                 from miles.train.megatron_backend import MegatronBackend as Backend  # noqa: N814 (GPU only)
             else:
                 Backend = TorchBackend  # noqa: N806
-            self.backend = Backend(c.model, c.trainer, device=self.device, seed=c.seed,
-                                   temperature=c.rollout.temperature, ledger=self.ledger,
-                                   offload_policy=c.handoff.offload_train, disk_dir=self.disk_dir)
+            self.backend = Backend(
+                c.model,
+                c.trainer,
+                device=self.device,
+                seed=c.seed,
+                temperature=c.rollout.temperature,
+                ledger=self.ledger,
+                offload_policy=c.handoff.offload_train,
+                disk_dir=self.disk_dir,
+            )
         return self.backend
 
     def held_device_bytes(self) -> int:
@@ -122,8 +132,17 @@ class Colocated:
         t0 = time.perf_counter()
         metrics = self.backend.train_step(batches[0])
         peak = torch.cuda.max_memory_allocated() if self.device == "cuda" else 0
-        self.records.append(StepRecord("train", Step("trainer", "train"), 0, time.perf_counter() - t0, self._drain(),
-                                       peak, self.held_device_bytes()))
+        self.records.append(
+            StepRecord(
+                "train",
+                Step("trainer", "train"),
+                0,
+                time.perf_counter() - t0,
+                self._drain(),
+                peak,
+                self.held_device_bytes(),
+            )
+        )
         return metrics
 
     def run(self, plan: HandoffPlan, num_steps: int) -> list[dict]:

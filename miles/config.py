@@ -29,7 +29,9 @@ class TaskConfig:
 
     def __post_init__(self):
         if not 1 <= self.min_len <= self.max_len:
-            raise ValueError(f"task.min_len = {self.min_len}, task.max_len = {self.max_len}: need 1 <= min_len <= max_len")
+            raise ValueError(
+                f"task.min_len = {self.min_len}, task.max_len = {self.max_len}: need 1 <= min_len <= max_len"
+            )
         if len(set(self.alphabet)) < 2:
             raise ValueError(f"task.alphabet = {self.alphabet!r} needs at least two distinct characters")
 
@@ -52,7 +54,9 @@ class RolloutConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"rollout.{name} = {getattr(self, name)} must be >= 1")
         if not self.temperature > 0:
-            raise ValueError(f"rollout.temperature = {self.temperature} must be > 0 (greedy: use a small value like 1e-5)")
+            raise ValueError(
+                f"rollout.temperature = {self.temperature} must be > 0 (greedy: use a small value like 1e-5)"
+            )
         if not 0 < self.top_p <= 1:
             raise ValueError(f"rollout.top_p = {self.top_p} must be in (0, 1]")
 
@@ -80,7 +84,9 @@ class TrainerConfig:
     optimizer_offload_chunk_bytes: int = 64 << 20
     clear_quantized_workspaces_on_offload: bool = True
     precision: Literal["bf16", "fp8", "mxfp8", "nvfp4"] = "bf16"  # low-precision recipe for Linear layers
-    megatron_attention: Literal["local", "sdpa"] = "local"  # megatron backend core attention: Megatron's unfused local one, or torch SDPA (flash)
+    megatron_attention: Literal["local", "sdpa"] = (
+        "local"  # megatron backend core attention: Megatron's unfused local one, or torch SDPA (flash)
+    )
 
     def __post_init__(self):
         if self.world_size < 1:
@@ -94,7 +100,9 @@ class TrainerConfig:
         if self.megatron_attention not in ("local", "sdpa"):
             raise ValueError(f"trainer.megatron_attention = {self.megatron_attention!r} must be 'local' or 'sdpa'")
         if self.optimizer_offload == "disk" and not self.optimizer_offload_dir:
-            raise ValueError("trainer.optimizer_offload = 'disk' needs trainer.optimizer_offload_dir (a local NVMe directory)")
+            raise ValueError(
+                "trainer.optimizer_offload = 'disk' needs trainer.optimizer_offload_dir (a local NVMe directory)"
+            )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -103,25 +111,40 @@ class SyncConfig:
     update_weight_buffer_size: int = 512 << 20  # bytes per bucket
     check_weights: bool = False  # compare engine and trainer weights bit-for-bit after every sync
     disk_delta_dir: str = ""  # for transport = "disk-delta"; "" = <run_dir>/weights
-    engine_staging: Literal["shadow", "direct"] = "shadow"  # shadow: a failed sync leaves the old weights (+1 copy in engine memory)
-    rdt_transport: Literal["auto", "nixl", "cuda_ipc", "nccl", "gloo"] = "auto"  # auto: nixl if installed, else cuda_ipc on GPU, gloo on CPU
-    source: Literal["bucket", "in_place"] = "bucket"  # tensor / rdt (cuda_ipc, gloo): staged buckets, or the trainer's own tensors
+    engine_staging: Literal["shadow", "direct"] = (
+        "shadow"  # shadow: a failed sync leaves the old weights (+1 copy in engine memory)
+    )
+    rdt_transport: Literal["auto", "nixl", "cuda_ipc", "nccl", "gloo"] = (
+        "auto"  # auto: nixl if installed, else cuda_ipc on GPU, gloo on CPU
+    )
+    source: Literal["bucket", "in_place"] = (
+        "bucket"  # tensor / rdt (cuda_ipc, gloo): staged buckets, or the trainer's own tensors
+    )
 
     def __post_init__(self):
         if self.update_weight_buffer_size < 1 << 10:
-            raise ValueError(f"sync.update_weight_buffer_size = {self.update_weight_buffer_size} bytes is too small; use >= 1 KiB")
+            raise ValueError(
+                f"sync.update_weight_buffer_size = {self.update_weight_buffer_size} bytes is too small; use >= 1 KiB"
+            )
         if self.engine_staging not in ("shadow", "direct"):
-            raise ValueError(f"sync.engine_staging = {self.engine_staging!r}; use 'shadow' (failure-safe) or 'direct' (no extra copy)")
+            raise ValueError(
+                f"sync.engine_staging = {self.engine_staging!r}; use 'shadow' (failure-safe) or 'direct' (no extra copy)"
+            )
         if self.rdt_transport not in ("auto", "nixl", "cuda_ipc", "nccl", "gloo"):
             raise ValueError(f"sync.rdt_transport = {self.rdt_transport!r}; use auto, nixl, cuda_ipc, nccl or gloo")
         if self.source not in ("bucket", "in_place"):
-            raise ValueError(f"sync.source = {self.source!r}; use 'bucket' (staged copies) or 'in_place' (engines read the "
-                             "trainer's tensors through handles opened once)")
-        if self.source == "in_place" and not (self.transport == "tensor" or
-                                              (self.transport == "rdt" and self.rdt_transport in ("cuda_ipc", "gloo"))):
-            raise ValueError(f"sync.source = 'in_place' is a mode of the tensor transport and of rdt over cuda_ipc or gloo, "
-                             f"not of {self.transport!r} (rdt_transport {self.rdt_transport!r}); set sync.transport=tensor, "
-                             "sync.rdt_transport=cuda_ipc, or sync.source=bucket")
+            raise ValueError(
+                f"sync.source = {self.source!r}; use 'bucket' (staged copies) or 'in_place' (engines read the "
+                "trainer's tensors through handles opened once)"
+            )
+        if self.source == "in_place" and not (
+            self.transport == "tensor" or (self.transport == "rdt" and self.rdt_transport in ("cuda_ipc", "gloo"))
+        ):
+            raise ValueError(
+                f"sync.source = 'in_place' is a mode of the tensor transport and of rdt over cuda_ipc or gloo, "
+                f"not of {self.transport!r} (rdt_transport {self.rdt_transport!r}); set sync.transport=tensor, "
+                "sync.rdt_transport=cuda_ipc, or sync.source=bucket"
+            )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -132,12 +155,16 @@ class HandoffConfig:
     offload_rollout_level: tuple[str, ...] = ROLLOUT_LEVELS  # engine tags released: subset of kv_cache, weight
     engine_host_mirror: bool = False  # keep a host copy of engine weights instead of waiting for the sync
     hardware: str = "auto"  # hardware profile for 'auto' and the planner (see miles.hardware)
-    plan_model: str = ""  # HF config.json (path, or name in miles/model/hf_configs) the planner sizes instead of `model`
+    plan_model: str = (
+        ""  # HF config.json (path, or name in miles/model/hf_configs) the planner sizes instead of `model`
+    )
 
     def __post_init__(self):
         bad = [lvl for lvl in self.offload_rollout_level if lvl not in ROLLOUT_LEVELS]
         if bad:
-            raise ValueError(f"handoff.offload_rollout_level has unknown level(s) {bad}; valid levels: {list(ROLLOUT_LEVELS)}")
+            raise ValueError(
+                f"handoff.offload_rollout_level has unknown level(s) {bad}; valid levels: {list(ROLLOUT_LEVELS)}"
+            )
         if self.plan_model:
             from miles.model.size import resolve_hf_config
 
@@ -145,7 +172,8 @@ class HandoffConfig:
         if self.colocate_memory_peak_device == "gpu" and (self.offload_train == "none" or not self.offload_rollout):
             raise ValueError(
                 "handoff.colocate_memory_peak_device = 'gpu' needs offload_train and offload_rollout; "
-                "set handoff.offload_train=host (or disk) and handoff.offload_rollout=true, or use 'cpu'")
+                "set handoff.offload_train=host (or disk) and handoff.offload_rollout=true, or use 'cpu'"
+            )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -166,17 +194,21 @@ class AgentConfig:
     slow_test_s: float = 0.0  # how long a slow test runs
 
     def __post_init__(self):
-        self.instances  # parses session_ports, raises with the fix if malformed
+        _ = self.instances  # parses session_ports, raises with the fix if malformed
         if self.oversample_factor < 1:
             raise ValueError(f"agents.oversample_factor = {self.oversample_factor} must be >= 1 (1 = no oversampling)")
         for name in ("flush_timeout_s", "episode_timeout_s", "test_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"agents.{name} = {getattr(self, name)} must be > 0 seconds")
         if self.flush_retries < 0 or self.max_turns < 1 or self.max_tokens_per_turn < 1:
-            raise ValueError(f"agents.flush_retries = {self.flush_retries} must be >= 0, max_turns = {self.max_turns} and "
-                             f"max_tokens_per_turn = {self.max_tokens_per_turn} >= 1")
+            raise ValueError(
+                f"agents.flush_retries = {self.flush_retries} must be >= 0, max_turns = {self.max_turns} and "
+                f"max_tokens_per_turn = {self.max_tokens_per_turn} >= 1"
+            )
         if not 0 <= self.slow_test_fraction <= 1 or self.slow_test_s < 0:
-            raise ValueError(f"agents.slow_test_fraction = {self.slow_test_fraction} must be in [0, 1], slow_test_s >= 0")
+            raise ValueError(
+                f"agents.slow_test_fraction = {self.slow_test_fraction} must be in [0, 1], slow_test_s >= 0"
+            )
 
     @property
     def instances(self) -> dict[int, str]:
@@ -193,7 +225,9 @@ def parse_ports(spec: str) -> list[int]:
     try:
         first, last = int(lo), int(hi) if sep else int(lo)
     except ValueError:
-        raise ValueError(f"agents.session_ports = {spec!r} should be one port ('8100') or a range ('8100-8103')") from None
+        raise ValueError(
+            f"agents.session_ports = {spec!r} should be one port ('8100') or a range ('8100-8103')"
+        ) from None
     if not 1 <= first <= last <= 65535:
         raise ValueError(f"agents.session_ports = {spec!r}: need 1 <= first <= last <= 65535")
     return list(range(first, last + 1))
@@ -221,24 +255,31 @@ class RunConfig:
 
     def __post_init__(self):
         if self.num_steps < 0 or self.checkpoint_every < 0:
-            raise ValueError(f"num_steps = {self.num_steps} and checkpoint_every = {self.checkpoint_every} must be >= 0")
+            raise ValueError(
+                f"num_steps = {self.num_steps} and checkpoint_every = {self.checkpoint_every} must be >= 0"
+            )
         if self.rollout.num_prompts_per_step * self.rollout.n_samples_per_prompt % self.trainer.world_size:
             raise ValueError(
                 f"rollout.num_prompts_per_step * n_samples_per_prompt = "
                 f"{self.rollout.num_prompts_per_step * self.rollout.n_samples_per_prompt} samples cannot be split over "
-                f"trainer.world_size = {self.trainer.world_size} ranks; make it a multiple")
+                f"trainer.world_size = {self.trainer.world_size} ranks; make it a multiple"
+            )
         if self.trainer.backend == "megatron" and self.device == "cpu":
             raise ValueError("trainer.backend = 'megatron' needs a GPU; use device=cuda or trainer.backend=torch")
         if self.sync.transport == "broadcast" and self.rollout.engine == "http" and self.rollout.num_engines > 1:
-            raise ValueError("sync.transport = 'broadcast' with rollout.engine = 'http' reaches one engine server (the "
-                             f"group has one receiving rank), not rollout.num_engines = {self.rollout.num_engines}; use "
-                             "sync.transport=tensor or disk-delta, or rollout.num_engines=1")
+            raise ValueError(
+                "sync.transport = 'broadcast' with rollout.engine = 'http' reaches one engine server (the "
+                f"group has one receiving rank), not rollout.num_engines = {self.rollout.num_engines}; use "
+                "sync.transport=tensor or disk-delta, or rollout.num_engines=1"
+            )
         h = self.handoff
         if self.sync.source == "in_place":
             why = []
             if h.offload_train != "none":
-                why.append(f"handoff.offload_train = {h.offload_train!r} (an engine holding a handle keeps the trainer's "
-                           "memory alive, so the offload would free nothing): set handoff.offload_train=none")
+                why.append(
+                    f"handoff.offload_train = {h.offload_train!r} (an engine holding a handle keeps the trainer's "
+                    "memory alive, so the offload would free nothing): set handoff.offload_train=none"
+                )
             if self.trainer.world_size > 1:
                 why.append(f"trainer.world_size = {self.trainer.world_size} (FSDP gathers new full tensors every sync)")
             if self.rollout.engine == "http":
@@ -246,13 +287,21 @@ class RunConfig:
             if self.trainer.backend == "megatron":
                 why.append("trainer.backend = 'megatron' (its HF-named weights are converted copies, new every sync)")
             if why:
-                raise ValueError("sync.source = 'in_place' needs the trainer's weights resident at fixed addresses and "
-                                 f"embedded engines; {'; '.join(why)}; or use sync.source=bucket")
-        if (self.sync.transport == "disk-delta" and h.offload_rollout and "weight" in h.offload_rollout_level
-                and not h.engine_host_mirror):
-            raise ValueError("sync.transport = 'disk-delta' applies each version as a delta to the engine's weights, "
-                             "but the handoff discards them while training (offload_rollout_level has 'weight', no host "
-                             "mirror); set handoff.engine_host_mirror=true or handoff.offload_rollout_level=kv_cache")
+                raise ValueError(
+                    "sync.source = 'in_place' needs the trainer's weights resident at fixed addresses and "
+                    f"embedded engines; {'; '.join(why)}; or use sync.source=bucket"
+                )
+        if (
+            self.sync.transport == "disk-delta"
+            and h.offload_rollout
+            and "weight" in h.offload_rollout_level
+            and not h.engine_host_mirror
+        ):
+            raise ValueError(
+                "sync.transport = 'disk-delta' applies each version as a delta to the engine's weights, "
+                "but the handoff discards them while training (offload_rollout_level has 'weight', no host "
+                "mirror); set handoff.engine_host_mirror=true or handoff.offload_rollout_level=kv_cache"
+            )
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -354,11 +403,16 @@ def apply_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
                 node, cls = node[part], hints[part]
             else:
                 if dataclasses.is_dataclass(hints[part]):
-                    raise ValueError(f"{key!r} is a section; set one of its fields, e.g. {key}.{sorted(typing.get_type_hints(hints[part]))[0]}=...")
+                    raise ValueError(
+                        f"{key!r} is a section; set one of its fields, e.g. {key}.{sorted(typing.get_type_hints(hints[part]))[0]}=..."
+                    )
                 node[part] = _coerce(raw.strip(), hints[part], key)
     keys = {item.split("=", 1)[0].strip() for item in overrides}
     m = cfg.model
-    if ({"model.hidden_size", "model.num_attention_heads"} & keys and "model.head_dim" not in keys
-            and m.head_dim == m.hidden_size // m.num_attention_heads):
+    if (
+        {"model.hidden_size", "model.num_attention_heads"} & keys
+        and "model.head_dim" not in keys
+        and m.head_dim == m.hidden_size // m.num_attention_heads
+    ):
         d["model"]["head_dim"] = 0  # it was derived from the old width: derive it again from the new one
     return RunConfig.from_dict(d)

@@ -90,17 +90,26 @@ class Bookkeeper:
             cause = _root_cause(e)
             if isinstance(cause, RewardError):
                 self.checkpoint(step, reason="reward function failed")
-                raise RewardError(f"RL step {step}: {cause}. Steps before {step} are saved in {self.run_dir.ckpt_root}; "
-                                  f"fix the reward and rerun the same command to resume.") from None
+                raise RewardError(
+                    f"RL step {step}: {cause}. Steps before {step} are saved in {self.run_dir.ckpt_root}; "
+                    f"fix the reward and rerun the same command to resume."
+                ) from None
             raise
 
     def record(self, step: int, rollout: dict, results: list, moved: dict, seconds: float) -> None:
         train = _mean([m for m, _ in results])
         events, samples = self.c.drain_ledgers()
         peaks = self.ledger(step, moved, events, samples)
-        row = {"step": step, **rollout, **train, **self.c.sync_metrics, **peaks, "time/step": seconds,
-               "samples_per_s": self.cfg.rollout.num_prompts_per_step * self.cfg.rollout.n_samples_per_prompt / seconds,
-               "tokens_per_s": rollout["total_tokens"] / seconds}
+        row = {
+            "step": step,
+            **rollout,
+            **train,
+            **self.c.sync_metrics,
+            **peaks,
+            "time/step": seconds,
+            "samples_per_s": self.cfg.rollout.num_prompts_per_step * self.cfg.rollout.n_samples_per_prompt / seconds,
+            "tokens_per_s": rollout["total_tokens"] / seconds,
+        }
         self.run_dir.append_metrics(row)
         self.rows.append(row)
         if self.cfg.dump_rollouts:
@@ -146,7 +155,9 @@ class Bookkeeper:
             return steps
         from tqdm.auto import tqdm
 
-        self.bar = tqdm(steps, desc=f"miles {self.cfg.recipe}", unit="step", initial=steps.start, total=self.cfg.num_steps)
+        self.bar = tqdm(
+            steps, desc=f"miles {self.cfg.recipe}", unit="step", initial=steps.start, total=self.cfg.num_steps
+        )
         return self.bar
 
 

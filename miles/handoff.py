@@ -63,13 +63,17 @@ class HandoffPlan:
     def from_config(cls, cfg: HandoffConfig, mode: str | None = None, reason: str = "") -> "HandoffPlan":
         mode = mode or cfg.colocate_memory_peak_device
         if mode == "auto":
-            raise ValueError("colocate_memory_peak_device = 'auto' is resolved by miles.planner.choose_mode(run_cfg); "
-                             "call miles.driver.resolve_plan(run_cfg) or pass mode='cpu' / 'gpu'")
+            raise ValueError(
+                "colocate_memory_peak_device = 'auto' is resolved by miles.planner.choose_mode(run_cfg); "
+                "call miles.driver.resolve_plan(run_cfg) or pass mode='cpu' / 'gpu'"
+            )
         if mode not in MODES:
             raise ValueError(f"colocate_memory_peak_device = {mode!r} is not one of {list(MODES) + ['auto']}")
         if mode == "gpu" and (cfg.offload_train == "none" or not cfg.offload_rollout):
-            raise ValueError("colocate_memory_peak_device = 'gpu' needs offload_train and offload_rollout; set "
-                             "handoff.offload_train=host (or disk) and handoff.offload_rollout=true, or use 'cpu'")
+            raise ValueError(
+                "colocate_memory_peak_device = 'gpu' needs offload_train and offload_rollout; set "
+                "handoff.offload_train=host (or disk) and handoff.offload_rollout=true, or use 'cpu'"
+            )
         e = _engine_steps(cfg)
         train = TRAIN_ALL if cfg.offload_train != "none" else ()
         t_off, t_on = Step("trainer", "offload", train), Step("trainer", "onload", train)
@@ -83,7 +87,11 @@ class HandoffPlan:
             init = (e["offload_kv"], build, sync, t_off, e["onload_kv"])
             r2t = (e["offload_kv"], t_on, e["offload_weights"])
             t2r = (clear, e["onload_weights"], t_off, sync, e["onload_kv"])
-        keep = lambda steps: tuple(s for s in steps if s is not None and (s.owner != "trainer" or s.tags or s.verb in ("clear_memory", "build")))
+        keep = lambda steps: tuple(
+            s
+            for s in steps
+            if s is not None and (s.owner != "trainer" or s.tags or s.verb in ("clear_memory", "build"))
+        )
         return cls(mode, keep(init), keep(r2t), keep(t2r), reason)
 
     def phases(self) -> dict[str, tuple[Step, ...]]:

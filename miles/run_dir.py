@@ -97,7 +97,9 @@ class RunDir:
         if not self.ckpt_root.exists():
             return None
         for leftover in self.ckpt_root.glob(".step_*.tmp"):
-            log.warning("removing %s: a checkpoint that was being written when a run stopped (it was never published)", leftover)
+            log.warning(
+                "removing %s: a checkpoint that was being written when a run stopped (it was never published)", leftover
+            )
             shutil.rmtree(leftover, ignore_errors=True)
         found = []
         for d in self.ckpt_root.iterdir():

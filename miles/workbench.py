@@ -49,14 +49,28 @@ class RunPanel:
         import ipywidgets as w
 
         self.recipe = w.Dropdown(options=sorted(RECIPES), value=recipe, description="recipe")
-        self.overrides = w.Textarea(value=overrides, description="overrides", placeholder="trainer.lr=1e-4\nnum_steps=20",
-                                    layout=w.Layout(width="60%", height="80px"))
+        self.overrides = w.Textarea(
+            value=overrides,
+            description="overrides",
+            placeholder="trainer.lr=1e-4\nnum_steps=20",
+            layout=w.Layout(width="60%", height="80px"),
+        )
         self.address = w.Text(value=ray_address, description="Ray", placeholder="local (empty) or ray://host:10001")
-        self.start_btn, self.stop_btn = w.Button(description="Start", button_style="success"), w.Button(description="Stop")
+        self.start_btn, self.stop_btn = (
+            w.Button(description="Start", button_style="success"),
+            w.Button(description="Stop"),
+        )
         self.status, self.out = w.HTML("idle"), w.Output()
         self.start_btn.on_click(lambda _: self.run(wait=False))
         self.stop_btn.on_click(lambda _: self.stop())
-        self.widget = w.VBox([w.HBox([self.recipe, self.address]), self.overrides, w.HBox([self.start_btn, self.stop_btn, self.status]), self.out])
+        self.widget = w.VBox(
+            [
+                w.HBox([self.recipe, self.address]),
+                self.overrides,
+                w.HBox([self.start_btn, self.stop_btn, self.status]),
+                self.out,
+            ]
+        )
         self._stop, self._thread, self.rows, self.error = threading.Event(), None, [], None
 
     def _ipython_display_(self):
@@ -65,7 +79,11 @@ class RunPanel:
         display(self.widget)
 
     def config(self):
-        lines = [l.strip() for l in self.overrides.value.replace(";", "\n").splitlines() if l.strip() and not l.startswith("#")]
+        lines = [
+            l.strip()
+            for l in self.overrides.value.replace(";", "\n").splitlines()
+            if l.strip() and not l.startswith("#")
+        ]
         if self.address.value.strip():
             lines.append(f"ray_address={self.address.value.strip()}")
         return apply_overrides(get_recipe(self.recipe.value), lines)

@@ -23,15 +23,30 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture
 def tiny_model_cfg() -> ModelConfig:
-    return ModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                       num_key_value_heads=2, max_position_embeddings=64)
+    return ModelConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
 
 
 def tiny_run_cfg(tmp_path, *overrides):
     """The quickstart recipe shrunk to a few seconds per step, writing into ``tmp_path``."""
-    base = ["model.hidden_size=32", "model.intermediate_size=64", "model.num_hidden_layers=2",
-            "rollout.num_prompts_per_step=4", "rollout.n_samples_per_prompt=4", "rollout.max_new_tokens=6",
-            "trainer.warmup_sft_steps=1", "num_steps=2", "num_threads=1", f"run_dir={tmp_path / 'run'}"]
+    base = [
+        "model.hidden_size=32",
+        "model.intermediate_size=64",
+        "model.num_hidden_layers=2",
+        "rollout.num_prompts_per_step=4",
+        "rollout.n_samples_per_prompt=4",
+        "rollout.max_new_tokens=6",
+        "trainer.warmup_sft_steps=1",
+        "num_steps=2",
+        "num_threads=1",
+        f"run_dir={tmp_path / 'run'}",
+    ]
     return apply_overrides(quickstart(), base + list(overrides))
 
 

@@ -50,6 +50,7 @@ def _raise_on_second_call():
         if state["n"] > 16:  # the first step's 16 samples score fine; the next step fails
             raise KeyError("broken reward")
         return 0.5
+
     return reward
 
 
@@ -58,20 +59,33 @@ flaky_reward = _raise_on_second_call()
 
 def test_a_reward_function_that_raises_stops_with_a_clear_error_and_keeps_completed_steps(tmp_path, ray_session):
     cfg = tiny_run_cfg(tmp_path, "num_steps=3", "checkpoint_every=0", f"task.reward={__name__}:flaky_reward")
-    with pytest.raises(RewardError, match=r"RL step 1: reward function .*flaky_reward raised KeyError: 'broken reward'"):
+    with pytest.raises(
+        RewardError, match=r"RL step 1: reward function .*flaky_reward raised KeyError: 'broken reward'"
+    ):
         train(cfg, progress=False)
     assert (tmp_path / "run" / "checkpoints" / "step_000001" / "model.safetensors").exists()
     assert [r["step"] for r in _metrics(cfg) if "step" in r] == [0]
 
 
-EXTRA = {"disk-delta": ["handoff.engine_host_mirror=true"],  # deltas need the base weights
-         "tensor": ["sync.source=in_place", "handoff.offload_train=none"]}  # the trainer's weights stay put
+EXTRA = {
+    "disk-delta": ["handoff.engine_host_mirror=true"],  # deltas need the base weights
+    "tensor": ["sync.source=in_place", "handoff.offload_train=none"],
+}  # the trainer's weights stay put
 
 
-@pytest.mark.parametrize("transport", ["broadcast", "rdt", "disk-delta", "tensor"], ids=["broadcast", "rdt", "disk-delta",
-                                                                                         "tensor-in-place"])
-def test_every_transport_carries_the_loop_and_the_engine_matches_the_trainer_after_each_sync(tmp_path, ray_session, transport):
-    cfg = tiny_run_cfg(tmp_path, f"sync.transport={transport}", "sync.check_weights=true", "num_steps=2",
-                       "checkpoint_every=0", *EXTRA.get(transport, []))
+@pytest.mark.parametrize(
+    "transport", ["broadcast", "rdt", "disk-delta", "tensor"], ids=["broadcast", "rdt", "disk-delta", "tensor-in-place"]
+)
+def test_every_transport_carries_the_loop_and_the_engine_matches_the_trainer_after_each_sync(
+    tmp_path, ray_session, transport
+):
+    cfg = tiny_run_cfg(
+        tmp_path,
+        f"sync.transport={transport}",
+        "sync.check_weights=true",
+        "num_steps=2",
+        "checkpoint_every=0",
+        *EXTRA.get(transport, []),
+    )
     rows = train(cfg, progress=False)  # check_weights raises WeightMismatch after a sync that lost a byte
     assert [r["step"] for r in rows] == [0, 1] and all(r["weight_version"] == r["step"] for r in rows)

@@ -46,19 +46,30 @@ class AgentGenerator:
             if not url:
                 self.harness = AgentProcesses.start(ports=[], harness_port=free_port_range(1))
                 url = self.harness.harness_url
-            self.rollout = AgentRollout(a, harness_url=url, num_groups=r.num_prompts_per_step,
-                                        group_size=r.n_samples_per_prompt, temperature=r.temperature, seed=cfg.seed)
+            self.rollout = AgentRollout(
+                a,
+                harness_url=url,
+                num_groups=r.num_prompts_per_step,
+                group_size=r.n_samples_per_prompt,
+                temperature=r.temperature,
+                seed=cfg.seed,
+            )
         except BaseException:
             self.close()
             raise
 
     def generate(self, step: int) -> tuple[list[Sample], dict, list[dict]]:
         out = self.rollout.collect(step)
-        samples = [episode_sample(res, len(group) * g + i, g, self.tok)
-                   for g, group in enumerate(out.groups) for i, res in enumerate(group)]
+        samples = [
+            episode_sample(res, len(group) * g + i, g, self.tok)
+            for g, group in enumerate(out.groups)
+            for i, res in enumerate(group)
+        ]
         failed = [f for f in out.flush if not f.ok]
         for f in failed:
-            log.warning("step %d: flush of instance %s failed after %d attempt(s): %s", step, f.instance_id, f.attempts, f.error)
+            log.warning(
+                "step %d: flush of instance %s failed after %d attempt(s): %s", step, f.instance_id, f.attempts, f.error
+            )
         numeric = {k: v for k, v in out.metrics.items() if isinstance(v, (int, float))}
         numeric |= {f"flush/{f.instance_id}/ok": float(f.ok) for f in out.flush}
         return samples, numeric, [{"step": step, **e} for e in out.episodes]
@@ -78,8 +89,10 @@ def policy_for(engine):
         return EmbeddedPolicy(engine)
     if isinstance(getattr(engine, "url", None), str):
         return HttpPolicy(engine.url)
-    raise ValueError(f"agent rollouts cannot reach engine {engine!r}: need an EmbeddedEngine or a client with a .url "
-                     "(with several HTTP engines behind a router, use rollout.engine=embedded or one engine per instance)")
+    raise ValueError(
+        f"agent rollouts cannot reach engine {engine!r}: need an EmbeddedEngine or a client with a .url "
+        "(with several HTTP engines behind a router, use rollout.engine=embedded or one engine per instance)"
+    )
 
 
 def episode_sample(res: dict, index: int, group: int, tok) -> Sample:
@@ -88,17 +101,39 @@ def episode_sample(res: dict, index: int, group: int, tok) -> Sample:
     ids = rec.get("token_ids") or []
     if not ids:  # the episode ended before its first turn: a zero-reward sample with one masked stop token
         prompt = list(tok.apply_chat_template([{"role": "user", "content": "(no episode)"}]))
-        return Sample(index=index, group=group, prompt="", target="", prompt_ids=prompt,
-                      response_ids=[tok.stop_token_ids[0]], rollout_log_probs=[0.0], finish_reason="abort",
-                      reward=0.0, metadata={"loss_mask": [0], "status": res["status"], "error": res.get("error", "")})
+        return Sample(
+            index=index,
+            group=group,
+            prompt="",
+            target="",
+            prompt_ids=prompt,
+            response_ids=[tok.stop_token_ids[0]],
+            rollout_log_probs=[0.0],
+            finish_reason="abort",
+            reward=0.0,
+            metadata={"loss_mask": [0], "status": res["status"], "error": res.get("error", "")},
+        )
     p = rec["prompt_len"]
-    return Sample(index=index, group=group, prompt=tok.decode(ids[:p]), target="", prompt_ids=ids[:p],
-                  response_ids=ids[p:], rollout_log_probs=rec["log_probs"][p:],
-                  response_text=tok.decode(ids[p:], skip_special_tokens=False),
-                  finish_reason=(rec.get("finish_reasons") or ["stop"])[-1], reward=float(res["reward"]),
-                  weight_version=(rec.get("weight_versions") or [0])[-1],
-                  metadata={"loss_mask": rec["loss_mask"][p:], "status": res["status"], "episode_id": res["episode_id"],
-                            "num_turns": res.get("num_turns", 0), "instance_id": res.get("instance_id", "")})
+    return Sample(
+        index=index,
+        group=group,
+        prompt=tok.decode(ids[:p]),
+        target="",
+        prompt_ids=ids[:p],
+        response_ids=ids[p:],
+        rollout_log_probs=rec["log_probs"][p:],
+        response_text=tok.decode(ids[p:], skip_special_tokens=False),
+        finish_reason=(rec.get("finish_reasons") or ["stop"])[-1],
+        reward=float(res["reward"]),
+        weight_version=(rec.get("weight_versions") or [0])[-1],
+        metadata={
+            "loss_mask": rec["loss_mask"][p:],
+            "status": res["status"],
+            "episode_id": res["episode_id"],
+            "num_turns": res.get("num_turns", 0),
+            "instance_id": res.get("instance_id", ""),
+        },
+    )
 
 
 def generate_batches(manager, step: int):
@@ -115,18 +150,28 @@ def generate_batches(manager, step: int):
         gen = manager.agent_generator = AgentGenerator(manager.cfg, manager.engines, manager.tokenizer)
     samples, metrics, episodes = gen.generate(step)
     r = manager.cfg.rollout
-    for s, adv in zip(samples, group_advantages([s.reward for s in samples], [s.group for s in samples],
-                                                normalize_std=r.normalize_advantages_std)):
+    for s, adv in zip(
+        samples,
+        group_advantages(
+            [s.reward for s in samples], [s.group for s in samples], normalize_std=r.normalize_advantages_std
+        ),
+    ):
         s.advantage = adv
     manager.last_samples = samples
     _append_jsonl(Path(manager.cfg.run_dir) / "agent_episodes.jsonl", episodes)
     rewards = torch.tensor([s.reward for s in samples])
     resp = sum(len(s.response_ids) for s in samples)
-    metrics |= {"reward": rewards.mean().item(), "reward_std": rewards.std().item() if len(samples) > 1 else 0.0,
-                "exact": float((rewards == 1).float().mean()), "response_len": resp / len(samples), "rollout_tokens": resp,
-                "total_tokens": resp + sum(len(s.prompt_ids) for s in samples),
-                "time/generate": metrics["time/agent_rollout"], "time/rollout": time.perf_counter() - t0,
-                "weight_version": samples[0].weight_version}
+    metrics |= {
+        "reward": rewards.mean().item(),
+        "reward_std": rewards.std().item() if len(samples) > 1 else 0.0,
+        "exact": float((rewards == 1).float().mean()),
+        "response_len": resp / len(samples),
+        "rollout_tokens": resp,
+        "total_tokens": resp + sum(len(s.prompt_ids) for s in samples),
+        "time/generate": metrics["time/agent_rollout"],
+        "time/rollout": time.perf_counter() - t0,
+        "weight_version": samples[0].weight_version,
+    }
     pad = manager.tokenizer.pad_token_id
     return [collate(part, pad) for part in shard(samples, manager.cfg.trainer.world_size)], metrics
 

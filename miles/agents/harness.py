@@ -33,9 +33,12 @@ from fastapi import Body, FastAPI, HTTPException
 from miles.agents.swe_tasks import RepoTask, make_task
 from miles.agents.tool_calls import format_tool_call
 
-SYSTEM = ("You fix bugs in a small repository. Call one tool per turn by writing <tool> then a JSON object, e.g. "
-          + format_tool_call("read_file", path="util.py") + ". Tools: list_files(), read_file(path), "
-          "edit_file(path, old, new), run_test(), submit().")
+SYSTEM = (
+    "You fix bugs in a small repository. Call one tool per turn by writing <tool> then a JSON object, e.g. "
+    + format_tool_call("read_file", path="util.py")
+    + ". Tools: list_files(), read_file(path), "
+    "edit_file(path, old, new), run_test(), submit()."
+)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -112,7 +115,7 @@ class Harness:
                 await asyncio.wait_for(self._new_result.wait(), timeout=wait_s)
             except asyncio.TimeoutError:
                 pass
-        return self.finished[max(0, cursor - self._dropped):], self._dropped + len(self.finished)
+        return self.finished[max(0, cursor - self._dropped) :], self._dropped + len(self.finished)
 
     async def flush(self, instance_id: str, timeout_s: float = 5.0) -> dict:
         t0 = time.perf_counter()
@@ -125,11 +128,18 @@ class Harness:
             await asyncio.wait(pending, timeout=timeout_s)
         left = [eid for eid in ids if eid in self.tasks]
         sandboxes = [eid for eid in ids if (self.root / eid).exists()]
-        return {"instance_id": instance_id, "cancelled": len(ids), "still_running": left,
-                "sandboxes_left": sandboxes, "seconds": time.perf_counter() - t0}
+        return {
+            "instance_id": instance_id,
+            "cancelled": len(ids),
+            "still_running": left,
+            "sandboxes_left": sandboxes,
+            "seconds": time.perf_counter() - t0,
+        }
 
     def running(self) -> dict:
-        return {eid: {"instance_id": self.specs[eid].instance_id, "phase": self.phase.get(eid, "")} for eid in self.tasks}
+        return {
+            eid: {"instance_id": self.specs[eid].instance_id, "phase": self.phase.get(eid, "")} for eid in self.tasks
+        }
 
     def sandboxes(self) -> list[str]:
         return sorted(p.name for p in self.root.iterdir()) if self.root.exists() else []
@@ -137,9 +147,20 @@ class Harness:
     # ---- one episode ----------------------------------------------------------------------------------------
     async def _episode(self, spec: EpisodeSpec) -> None:
         t0 = time.perf_counter()
-        out = {**asdict(spec), "status": "completed", "reward": 0.0, "passed": False, "num_turns": 0,
-               "num_tool_calls": 0, "num_malformed": 0, "error": "", "test_output": "", "test_seconds": 0.0,
-               "transcript": [], "record": None}
+        out = {
+            **asdict(spec),
+            "status": "completed",
+            "reward": 0.0,
+            "passed": False,
+            "num_turns": 0,
+            "num_tool_calls": 0,
+            "num_malformed": 0,
+            "error": "",
+            "test_output": "",
+            "test_seconds": 0.0,
+            "transcript": [],
+            "record": None,
+        }
         box = self.root / spec.episode_id
         try:
             task = make_task(spec.task_seed).with_slow_test(spec.slow_s)
@@ -148,7 +169,12 @@ class Harness:
                 await self._converse(spec, task, box, out)
                 self.phase[spec.episode_id] = "final_test"
                 passed, text, secs = await self._run_test(spec, task, box)
-                out.update(passed=passed, reward=float(passed), test_output=text[-400:], test_seconds=out["test_seconds"] + secs)
+                out.update(
+                    passed=passed,
+                    reward=float(passed),
+                    test_output=text[-400:],
+                    test_seconds=out["test_seconds"] + secs,
+                )
         except asyncio.CancelledError:
             out.update(status="cancelled", reward=0.0, error=f"flushed with instance {spec.instance_id}")
             self._finish(spec, box, out, t0)
@@ -176,25 +202,43 @@ class Harness:
 
     async def _converse(self, spec: EpisodeSpec, task: RepoTask, box: Path, out: dict) -> None:
         url = spec.session_url.rstrip("/")
-        sid = (await self._post(f"{url}/sessions", {"metadata": {"episode_id": spec.episode_id, "rollout": spec.rollout_id, "step": spec.step}}))["session_id"]
+        sid = (
+            await self._post(
+                f"{url}/sessions",
+                {"metadata": {"episode_id": spec.episode_id, "rollout": spec.rollout_id, "step": spec.step}},
+            )
+        )["session_id"]
         out["session_id"] = sid
         messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": task.description}]
         try:
             for _ in range(spec.max_turns):
                 self.phase[spec.episode_id] = f"turn {out['num_turns']}"
-                reply = await self._post(f"{url}/sessions/{sid}/v1/chat/completions",
-                                         {"messages": messages, "max_tokens": spec.max_tokens, "temperature": spec.temperature})
+                reply = await self._post(
+                    f"{url}/sessions/{sid}/v1/chat/completions",
+                    {"messages": messages, "max_tokens": spec.max_tokens, "temperature": spec.temperature},
+                )
                 if reply is None:  # the context is full: the episode ends, the final test decides
                     break
                 out["num_turns"] += 1
                 msg = reply["choices"][0]["message"]
                 calls = msg.get("tool_calls") or []
-                messages.append({"role": "assistant", "content": msg.get("content") or "", **({"tool_calls": calls} if calls else {})})
+                messages.append(
+                    {
+                        "role": "assistant",
+                        "content": msg.get("content") or "",
+                        **({"tool_calls": calls} if calls else {}),
+                    }
+                )
                 if not calls:
                     out["num_malformed"] += 1
                     errors = reply.get("miles", {}).get("tool_call_errors") or ["no <tool> call in the reply"]
-                    messages.append({"role": "user", "content": f"error: {'; '.join(errors)[:200]}. Call a tool, e.g. "
-                                     + format_tool_call("list_files")})
+                    messages.append(
+                        {
+                            "role": "user",
+                            "content": f"error: {'; '.join(errors)[:200]}. Call a tool, e.g. "
+                            + format_tool_call("list_files"),
+                        }
+                    )
                     continue
                 results, done = [], False
                 for call in calls:
@@ -250,9 +294,16 @@ class Harness:
         t0 = time.perf_counter()
         if not (box / task.test_file).exists():
             raise FileNotFoundError(f"sandbox {box} lost {task.test_file}; the episode cannot be scored")
-        proc = await asyncio.create_subprocess_exec(sys.executable, "-E", "-s", task.test_file, cwd=box,
-                                                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-                                                    start_new_session=True)
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-E",
+            "-s",
+            task.test_file,
+            cwd=box,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            start_new_session=True,
+        )
         self.procs[spec.episode_id] = proc
         try:
             stdout, _ = await asyncio.wait_for(proc.communicate(), timeout=spec.test_timeout_s)
@@ -316,7 +367,11 @@ def create_app(harness: Harness) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        return {"running": len(harness.tasks), "finished": harness._dropped + len(harness.finished), "root": str(harness.root)}
+        return {
+            "running": len(harness.tasks),
+            "finished": harness._dropped + len(harness.finished),
+            "root": str(harness.root),
+        }
 
     return app
 

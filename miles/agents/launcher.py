@@ -57,7 +57,11 @@ def wait_ready(url: str, timeout_s: float, proc: subprocess.Popen | None = None,
         time.sleep(0.1)
     logs = sorted(log.parent.glob(log.name)) if log else []
     tail = "".join(f.read_text()[-2000:] for f in logs)
-    state = f"exited with {proc.returncode}" if proc is not None and proc.poll() is not None else f"not ready after {timeout_s} s"
+    state = (
+        f"exited with {proc.returncode}"
+        if proc is not None and proc.poll() is not None
+        else f"not ready after {timeout_s} s"
+    )
     raise RuntimeError(f"{url} {state}; log tail:\n{tail}")
 
 
@@ -74,22 +78,56 @@ class AgentProcesses:
     log_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="miles-agents-")))
 
     @classmethod
-    def start(cls, *, ports: list[int], harness_port: int = 0, engine: str = "embedded", model_json: str = "",
-              max_seq_len: int = 0, seed: int = 0, host: str = "127.0.0.1", timeout_s: float = 60.0,
-              device: str = "cpu") -> "AgentProcesses":
+    def start(
+        cls,
+        *,
+        ports: list[int],
+        harness_port: int = 0,
+        engine: str = "embedded",
+        model_json: str = "",
+        max_seq_len: int = 0,
+        seed: int = 0,
+        host: str = "127.0.0.1",
+        timeout_s: float = 60.0,
+        device: str = "cpu",
+    ) -> "AgentProcesses":
         procs = cls(host=host, ports=list(ports))
         owner: dict[int, subprocess.Popen] = {}
         try:
             for lo, hi in _runs(ports):
                 proc = procs._spawn(
-                    f"session-{lo}", "miles.agents.session_server", "--port", f"{lo}-{hi}", "--host", host,
-                    "--engine", engine, "--model-json", model_json, "--max-seq-len", str(max_seq_len), "--seed", str(seed),
-                    "--device", device)
+                    f"session-{lo}",
+                    "miles.agents.session_server",
+                    "--port",
+                    f"{lo}-{hi}",
+                    "--host",
+                    host,
+                    "--engine",
+                    engine,
+                    "--model-json",
+                    model_json,
+                    "--max-seq-len",
+                    str(max_seq_len),
+                    "--seed",
+                    str(seed),
+                    "--device",
+                    device,
+                )
                 procs.procs.append(proc)
                 owner |= {port: proc for port in range(lo, hi + 1)}
             if harness_port:
-                procs.harness = procs._spawn("harness", "miles.agents.harness", "--port", str(harness_port), "--host", host,
-                                             "--root", str(procs.log_dir / "sandboxes"), "--parent-pid", str(os.getpid()))
+                procs.harness = procs._spawn(
+                    "harness",
+                    "miles.agents.harness",
+                    "--port",
+                    str(harness_port),
+                    "--host",
+                    host,
+                    "--root",
+                    str(procs.log_dir / "sandboxes"),
+                    "--parent-pid",
+                    str(os.getpid()),
+                )
                 procs.harness_url = f"http://{host}:{harness_port}"
             for port in ports:
                 health = wait_ready(f"http://{host}:{port}", timeout_s, owner[port], procs.log_dir / "session-*.log")
@@ -104,8 +142,9 @@ class AgentProcesses:
     def _spawn(self, name: str, module: str, *args: str) -> subprocess.Popen:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
         log = open(self.log_dir / f"{name}.log", "wb")
-        return subprocess.Popen([sys.executable, "-m", module, *args], stdout=log, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)
+        return subprocess.Popen(
+            [sys.executable, "-m", module, *args], stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
 
     @property
     def session_urls(self) -> dict[int, str]:

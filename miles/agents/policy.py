@@ -55,8 +55,9 @@ class EmbeddedPolicy:
         with self._lock:
             if rid in self._aborted:  # aborted before it reached the engine
                 self._aborted.discard(rid)
-                return Completion(output_ids=[], output_log_probs=[], finish_reason="abort",
-                                  weight_version=self.engine.weight_version)
+                return Completion(
+                    output_ids=[], output_log_probs=[], finish_reason="abort", weight_version=self.engine.weight_version
+                )
         done: queue.Queue = queue.Queue(maxsize=1)
         self._queue.put((GenerateRequest(rid=rid, input_ids=list(input_ids), sampling=sampling), done))
         result = done.get()
@@ -105,8 +106,14 @@ class EmbeddedPolicy:
             for r, d in batch:
                 if r.rid in self._aborted:
                     self._aborted.discard(r.rid)
-                    d.put(Completion(output_ids=[], output_log_probs=[], finish_reason="abort",
-                                     weight_version=self.engine.weight_version))
+                    d.put(
+                        Completion(
+                            output_ids=[],
+                            output_log_probs=[],
+                            finish_reason="abort",
+                            weight_version=self.engine.weight_version,
+                        )
+                    )
         if not live:
             return
         try:
@@ -121,8 +128,14 @@ class EmbeddedPolicy:
         with self._lock:
             for (r, d), o in zip(live, outs):
                 self._aborted.discard(r.rid)
-                d.put(Completion(output_ids=o.output_ids, output_log_probs=o.output_log_probs,
-                                 finish_reason=o.finish_reason, weight_version=o.weight_version))
+                d.put(
+                    Completion(
+                        output_ids=o.output_ids,
+                        output_log_probs=o.output_log_probs,
+                        finish_reason=o.finish_reason,
+                        weight_version=o.weight_version,
+                    )
+                )
 
 
 class HttpPolicy:
@@ -139,9 +152,17 @@ class HttpPolicy:
         self._client = httpx.Client(timeout=timeout_s)
 
     def generate(self, rid: str, input_ids: list[int], sampling: SamplingParams) -> Completion:
-        body = {"rid": rid, "input_ids": list(input_ids), "return_logprob": True,
-                "sampling_params": {"max_new_tokens": sampling.max_new_tokens, "temperature": sampling.temperature,
-                                    "top_p": sampling.top_p, "stop_token_ids": list(sampling.stop_token_ids)}}
+        body = {
+            "rid": rid,
+            "input_ids": list(input_ids),
+            "return_logprob": True,
+            "sampling_params": {
+                "max_new_tokens": sampling.max_new_tokens,
+                "temperature": sampling.temperature,
+                "top_p": sampling.top_p,
+                "stop_token_ids": list(sampling.stop_token_ids),
+            },
+        }
         r = self._client.post(f"{self.url}/generate", json=body)
         if r.status_code >= 400:
             raise EngineError(f"engine at {self.url} answered {r.status_code}: {r.text[:300]}")
@@ -165,18 +186,27 @@ def parse_generate_response(d: dict) -> Completion:
     if ids is None and lps is not None:
         ids = [int(t[1]) for t in lps]
     if ids is None:
-        raise EngineError(f"the engine's /generate answer has neither output_ids nor meta_info.output_token_logprobs: {str(d)[:200]}")
+        raise EngineError(
+            f"the engine's /generate answer has neither output_ids nor meta_info.output_token_logprobs: {str(d)[:200]}"
+        )
     log_probs = [float(t[0]) for t in lps] if lps is not None else []
     if len(log_probs) != len(ids):
-        raise EngineError(f"the engine returned {len(ids)} tokens but {len(log_probs)} log-probs; ask with return_logprob=true")
+        raise EngineError(
+            f"the engine returned {len(ids)} tokens but {len(log_probs)} log-probs; ask with return_logprob=true"
+        )
     reason = meta.get("finish_reason") or {}
     reason = reason.get("type", "stop") if isinstance(reason, dict) else str(reason)
-    return Completion(output_ids=[int(t) for t in ids], output_log_probs=log_probs, finish_reason=reason,
-                      weight_version=int(meta.get("weight_version", 0) or 0))
+    return Completion(
+        output_ids=[int(t) for t in ids],
+        output_log_probs=log_probs,
+        finish_reason=reason,
+        weight_version=int(meta.get("weight_version", 0) or 0),
+    )
 
 
-def make_engine(model_json: str = "", *, seed: int = 0, max_seq_len: int = 0, max_batch_size: int = 16,
-                device: str = "cpu") -> EmbeddedEngine:
+def make_engine(
+    model_json: str = "", *, seed: int = 0, max_seq_len: int = 0, max_batch_size: int = 16, device: str = "cpu"
+) -> EmbeddedEngine:
     """An embedded engine from ModelConfig fields as JSON ("" = the default config)."""
     import json
 
@@ -191,6 +221,8 @@ def make_policy(spec: str, engine: EmbeddedEngine | None = None):
     if spec.startswith(("http://", "https://")):
         return HttpPolicy(spec)
     if spec != "embedded" or engine is None:
-        raise ValueError(f"engine {spec!r} is not known (or no engine was built); use 'embedded' with an engine, or an "
-                         "SGLang-compatible URL like http://127.0.0.1:30000")
+        raise ValueError(
+            f"engine {spec!r} is not known (or no engine was built); use 'embedded' with an engine, or an "
+            "SGLang-compatible URL like http://127.0.0.1:30000"
+        )
     return EmbeddedPolicy(engine)

@@ -62,8 +62,16 @@ class AgentRollout:
     rollout.buffer                          # task seeds of aborted groups, rolled out first next step
     """
 
-    def __init__(self, cfg: AgentConfig, *, harness_url: str, num_groups: int, group_size: int,
-                 temperature: float = 1.0, seed: int = 0):
+    def __init__(
+        self,
+        cfg: AgentConfig,
+        *,
+        harness_url: str,
+        num_groups: int,
+        group_size: int,
+        temperature: float = 1.0,
+        seed: int = 0,
+    ):
         if not cfg.instances:
             raise ValueError("agents.session_ports is empty; set it to a port ('8100') or a range ('8100-8103')")
         if not harness_url:
@@ -97,11 +105,20 @@ class AgentRollout:
         self._requeue([g for g in groups if g not in kept])
         episodes = [_episode_row(r, g.gid in {k.gid for k in kept}) for g in groups for r in g.results.values()]
         metrics = _metrics(kept, episodes, flush, harness_error)
-        metrics |= {"time/agent_collect": t_collect, "time/agent_flush": t_end - t0 - t_collect,
-                    "time/agent_rollout": t_end - t0, "agent/buffer_groups": len(self.buffer),
-                    "agent/groups_started": len(groups), "agent/episodes_unreported": len(outstanding)}
-        return AgentStep(groups=[[g.results[e] for e in g.episode_ids] for g in kept], episodes=episodes,
-                         flush=flush, metrics=metrics)
+        metrics |= {
+            "time/agent_collect": t_collect,
+            "time/agent_flush": t_end - t0 - t_collect,
+            "time/agent_rollout": t_end - t0,
+            "agent/buffer_groups": len(self.buffer),
+            "agent/groups_started": len(groups),
+            "agent/episodes_unreported": len(outstanding),
+        }
+        return AgentStep(
+            groups=[[g.results[e] for e in g.episode_ids] for g in kept],
+            episodes=episodes,
+            flush=flush,
+            metrics=metrics,
+        )
 
     def _start(self, step: int) -> list[_Group]:
         n = math.ceil(self.cfg.oversample_factor * self.num_groups)
@@ -117,20 +134,35 @@ class AgentRollout:
                 port = ports[len(specs) % len(ports)]
                 eid = f"s{step}-g{gid}-{i}-{rng.randrange(1 << 20):05x}"
                 slow = rng.random() < self.cfg.slow_test_fraction
-                specs.append({"episode_id": eid, "rollout_id": self.rollout_id, "step": step, "group": gid, "task_seed": task_seed,
-                              "instance_id": self.instances[port], "session_url": self.session_url(port),
-                              "max_turns": self.cfg.max_turns, "max_tokens": self.cfg.max_tokens_per_turn,
-                              "temperature": self.temperature, "slow_s": self.cfg.slow_test_s * slow,
-                              "timeout_s": self.cfg.episode_timeout_s, "test_timeout_s": self.cfg.test_timeout_s})
+                specs.append(
+                    {
+                        "episode_id": eid,
+                        "rollout_id": self.rollout_id,
+                        "step": step,
+                        "group": gid,
+                        "task_seed": task_seed,
+                        "instance_id": self.instances[port],
+                        "session_url": self.session_url(port),
+                        "max_turns": self.cfg.max_turns,
+                        "max_tokens": self.cfg.max_tokens_per_turn,
+                        "temperature": self.temperature,
+                        "slow_s": self.cfg.slow_test_s * slow,
+                        "timeout_s": self.cfg.episode_timeout_s,
+                        "test_timeout_s": self.cfg.test_timeout_s,
+                    }
+                )
                 g.episode_ids.append(eid)
             groups.append(g)
         r = self._client.post(f"{self.harness_url}/episodes", json={"episodes": specs})
         if r.status_code != 200:
-            raise RuntimeError(f"the harness at {self.harness_url} refused the episodes: {r.status_code} {r.text[:300]}")
+            raise RuntimeError(
+                f"the harness at {self.harness_url} refused the episodes: {r.status_code} {r.text[:300]}"
+            )
         return groups
 
-    def _gather(self, groups: list[_Group], outstanding: set[str], *, enough: bool,
-                wait_s: float | None = None) -> tuple[list[_Group], str]:
+    def _gather(
+        self, groups: list[_Group], outstanding: set[str], *, enough: bool, wait_s: float | None = None
+    ) -> tuple[list[_Group], str]:
         """Read results until ``num_groups`` groups are complete (enough) or nothing is outstanding; bounded."""
         by_id = {eid: g for g in groups for eid in g.episode_ids}
         done: list[_Group] = [g for g in groups if g.complete]
@@ -167,10 +199,23 @@ class AgentRollout:
         for g in groups:
             for eid in g.episode_ids:
                 if eid in outstanding:
-                    g.results[eid] = {"episode_id": eid, "group": g.gid, "task_seed": g.task_seed, "status": "lost",
-                                      "reward": 0.0, "passed": False, "error": why, "num_turns": 0, "num_tool_calls": 0,
-                                      "num_malformed": 0, "seconds": 0.0, "test_seconds": 0.0, "record": None,
-                                      "transcript": [], "instance_id": ""}
+                    g.results[eid] = {
+                        "episode_id": eid,
+                        "group": g.gid,
+                        "task_seed": g.task_seed,
+                        "status": "lost",
+                        "reward": 0.0,
+                        "passed": False,
+                        "error": why,
+                        "num_turns": 0,
+                        "num_tool_calls": 0,
+                        "num_malformed": 0,
+                        "seconds": 0.0,
+                        "test_seconds": 0.0,
+                        "record": None,
+                        "transcript": [],
+                        "instance_id": "",
+                    }
         outstanding.clear()
         return why
 
@@ -196,18 +241,25 @@ class AgentRollout:
                 errors = []
                 if not res.session:
                     try:
-                        r = client.post(f"{self.session_url(port)}/flush", json={"timeout_s": timeout / 2, "rollout": self.rollout_id, "step": step})
+                        r = client.post(
+                            f"{self.session_url(port)}/flush",
+                            json={"timeout_s": timeout / 2, "rollout": self.rollout_id, "step": step},
+                        )
                         r.raise_for_status()
                         res.session = r.json()
                     except httpx.HTTPError as e:
                         errors.append(f"session server {self.session_url(port)}: {type(e).__name__}: {e}")
                 try:  # the harness side runs even when the session server is gone: its sandboxes still go
-                    r = client.post(f"{self.harness_url}/flush", json={"instance_id": instance_id, "timeout_s": timeout / 2})
+                    r = client.post(
+                        f"{self.harness_url}/flush", json={"instance_id": instance_id, "timeout_s": timeout / 2}
+                    )
                     r.raise_for_status()
                     res.harness = r.json()
                     if res.harness.get("still_running") or res.harness.get("sandboxes_left"):
-                        errors.append(f"harness: still running {res.harness['still_running'][:3]}, "
-                                      f"sandboxes left {res.harness['sandboxes_left'][:3]}")
+                        errors.append(
+                            f"harness: still running {res.harness['still_running'][:3]}, "
+                            f"sandboxes left {res.harness['sandboxes_left'][:3]}"
+                        )
                 except httpx.HTTPError as e:
                     errors.append(f"harness {self.harness_url}: {type(e).__name__}: {e}")
                 res.error = "; ".join(errors)
@@ -228,12 +280,23 @@ class AgentRollout:
 
 def _episode_row(r: dict, kept: bool) -> dict:
     rec = r.get("record") or {}
-    return {"episode_id": r["episode_id"], "group": r.get("group", -1), "instance_id": r.get("instance_id", ""),
-            "status": r["status"], "kept": kept, "reward": r["reward"], "passed": r.get("passed", False),
-            "num_turns": r.get("num_turns", 0), "num_tool_calls": r.get("num_tool_calls", 0),
-            "num_malformed": r.get("num_malformed", 0), "seconds": r.get("seconds", 0.0),
-            "test_seconds": r.get("test_seconds", 0.0), "num_tokens": len(rec.get("token_ids", [])),
-            "num_policy_tokens": sum(rec.get("loss_mask", [])), "error": r.get("error", "")}
+    return {
+        "episode_id": r["episode_id"],
+        "group": r.get("group", -1),
+        "instance_id": r.get("instance_id", ""),
+        "status": r["status"],
+        "kept": kept,
+        "reward": r["reward"],
+        "passed": r.get("passed", False),
+        "num_turns": r.get("num_turns", 0),
+        "num_tool_calls": r.get("num_tool_calls", 0),
+        "num_malformed": r.get("num_malformed", 0),
+        "seconds": r.get("seconds", 0.0),
+        "test_seconds": r.get("test_seconds", 0.0),
+        "num_tokens": len(rec.get("token_ids", [])),
+        "num_policy_tokens": sum(rec.get("loss_mask", [])),
+        "error": r.get("error", ""),
+    }
 
 
 def _metrics(kept: list[_Group], episodes: list[dict], flush: list[FlushResult], harness_error: str) -> dict:
@@ -242,20 +305,30 @@ def _metrics(kept: list[_Group], episodes: list[dict], flush: list[FlushResult],
     status = {}
     for e in episodes:
         status[e["status"]] = status.get(e["status"], 0) + 1
-    out = {"agent/groups_kept": len(kept), "agent/reward": sum(e["reward"] for e in rows) / n,
-           "agent/pass_rate": sum(e["passed"] for e in rows) / n,
-           "agent/turns": sum(e["num_turns"] for e in rows) / n,
-           "agent/tool_calls": sum(e["num_tool_calls"] for e in rows) / n,
-           "agent/malformed_turns": sum(e["num_malformed"] for e in rows) / n,
-           "agent/test_seconds": sum(e["test_seconds"] for e in rows) / n,
-           **{f"agent/episodes_{k}": v for k, v in sorted(status.items())}}
+    out = {
+        "agent/groups_kept": len(kept),
+        "agent/reward": sum(e["reward"] for e in rows) / n,
+        "agent/pass_rate": sum(e["passed"] for e in rows) / n,
+        "agent/turns": sum(e["num_turns"] for e in rows) / n,
+        "agent/tool_calls": sum(e["num_tool_calls"] for e in rows) / n,
+        "agent/malformed_turns": sum(e["num_malformed"] for e in rows) / n,
+        "agent/test_seconds": sum(e["test_seconds"] for e in rows) / n,
+        **{f"agent/episodes_{k}": v for k, v in sorted(status.items())},
+    }
     if flush:
         failed = [f.instance_id for f in flush if not f.ok]
-        out |= {"flush/instances": len(flush), "flush/ok": len(flush) - len(failed), "flush/failed": len(failed),
-                "flush/failed_instances": ",".join(failed), "flush/max_seconds": max(f.seconds for f in flush),
-                "flush/sessions_aborted": sum(f.session.get("aborted_sessions", 0) for f in flush),
-                "flush/episodes_cancelled": sum(f.harness.get("cancelled", 0) for f in flush)}
-        out |= {f"flush/{f.instance_id}": ("ok" if f.ok else f"failed after {f.attempts}: {f.error[:200]}") for f in flush}
+        out |= {
+            "flush/instances": len(flush),
+            "flush/ok": len(flush) - len(failed),
+            "flush/failed": len(failed),
+            "flush/failed_instances": ",".join(failed),
+            "flush/max_seconds": max(f.seconds for f in flush),
+            "flush/sessions_aborted": sum(f.session.get("aborted_sessions", 0) for f in flush),
+            "flush/episodes_cancelled": sum(f.harness.get("cancelled", 0) for f in flush),
+        }
+        out |= {
+            f"flush/{f.instance_id}": ("ok" if f.ok else f"failed after {f.attempts}: {f.error[:200]}") for f in flush
+        }
     if harness_error:
         out["agent/harness_error"] = harness_error
     return out
@@ -263,6 +336,11 @@ def _metrics(kept: list[_Group], episodes: list[dict], flush: list[FlushResult],
 
 def flush_rows(flush: list[FlushResult]) -> list[dict]:
     """Flush results as plain rows (tables in notebooks and benchmark JSON)."""
-    return [{k: v for k, v in asdict(f).items() if k not in ("session", "harness")}
-            | {"sessions_aborted": f.session.get("aborted_sessions", 0), "episodes_cancelled": f.harness.get("cancelled", 0)}
-            for f in flush]
+    return [
+        {k: v for k, v in asdict(f).items() if k not in ("session", "harness")}
+        | {
+            "sessions_aborted": f.session.get("aborted_sessions", 0),
+            "episodes_cancelled": f.harness.get("cancelled", 0),
+        }
+        for f in flush
+    ]

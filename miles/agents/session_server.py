@@ -48,10 +48,19 @@ class Session:
 
     def record(self) -> dict:
         first = self.loss_mask.index(1) if 1 in self.loss_mask else len(self.loss_mask)
-        return {"session_id": self.sid, "token_ids": self.token_ids, "log_probs": self.log_probs,
-                "loss_mask": self.loss_mask, "prompt_len": first, "messages": self.messages,
-                "weight_versions": self.weight_versions, "finish_reasons": self.finish_reasons,
-                "num_turns": len(self.finish_reasons), "aborted": self.aborted, "metadata": self.metadata}
+        return {
+            "session_id": self.sid,
+            "token_ids": self.token_ids,
+            "log_probs": self.log_probs,
+            "loss_mask": self.loss_mask,
+            "prompt_len": first,
+            "messages": self.messages,
+            "weight_versions": self.weight_versions,
+            "finish_reasons": self.finish_reasons,
+            "num_turns": len(self.finish_reasons),
+            "aborted": self.aborted,
+            "metadata": self.metadata,
+        }
 
 
 class SessionError(Exception):
@@ -78,18 +87,28 @@ class SessionServer:
         self._idle = threading.Condition(self._lock)
         self.num_flushes = 0
         self.flushed: set[str] = set()  # ids of sessions a flush dropped, so a late call hears why (bounded)
-        self.fences: dict[str, int] = {}  # rollout id -> last flushed step: its opens for that step or earlier are refused
+        self.fences: dict[
+            str, int
+        ] = {}  # rollout id -> last flushed step: its opens for that step or earlier are refused
 
     def open(self, metadata: dict | None = None) -> str:
         rollout, step = (metadata or {}).get("rollout"), (metadata or {}).get("step")
         with self._lock:
             fence = self.fences.get(rollout, -1) if isinstance(rollout, str) else -1
             if isinstance(step, int) and 0 <= step <= fence:
-                raise SessionError(409, "session_aborted", f"a session for step {step} of rollout {rollout} was asked for "
-                                   f"after a flush of instance {self.instance_id} ended that step (flushed up to step {fence})")
+                raise SessionError(
+                    409,
+                    "session_aborted",
+                    f"a session for step {step} of rollout {rollout} was asked for "
+                    f"after a flush of instance {self.instance_id} ended that step (flushed up to step {fence})",
+                )
             if len(self.sessions) >= self.max_sessions:
-                raise SessionError(429, "too_many_sessions", f"instance {self.instance_id} holds {len(self.sessions)} sessions "
-                                   f"(max {self.max_sessions}); delete finished ones with DELETE /sessions/<id>")
+                raise SessionError(
+                    429,
+                    "too_many_sessions",
+                    f"instance {self.instance_id} holds {len(self.sessions)} sessions "
+                    f"(max {self.max_sessions}); delete finished ones with DELETE /sessions/<id>",
+                )
             sid = f"{self.instance_id}-{uuid.uuid4().hex[:12]}"
             self.sessions[sid] = Session(sid=sid, metadata=dict(metadata or {}))
             return sid
@@ -97,19 +116,29 @@ class SessionServer:
     def _session(self, sid: str) -> Session:
         s = self.sessions.get(sid)
         if s is None and sid in self.flushed:
-            raise SessionError(409, "session_aborted", f"session {sid!r} was aborted by a flush of instance {self.instance_id}")
+            raise SessionError(
+                409, "session_aborted", f"session {sid!r} was aborted by a flush of instance {self.instance_id}"
+            )
         if s is None:
-            raise SessionError(404, "unknown_session", f"session {sid!r} is not open on instance {self.instance_id} "
-                               f"({len(self.sessions)} open); create one with POST /sessions")
+            raise SessionError(
+                404,
+                "unknown_session",
+                f"session {sid!r} is not open on instance {self.instance_id} "
+                f"({len(self.sessions)} open); create one with POST /sessions",
+            )
         if s.aborted:
-            raise SessionError(409, "session_aborted", f"session {sid!r} was aborted by a flush of instance {self.instance_id}")
+            raise SessionError(
+                409, "session_aborted", f"session {sid!r} was aborted by a flush of instance {self.instance_id}"
+            )
         return s
 
     def get(self, sid: str) -> dict:
         with self._lock:
             s = self.sessions.get(sid)
             if s is None:
-                raise SessionError(404, "unknown_session", f"session {sid!r} is not open on instance {self.instance_id}")
+                raise SessionError(
+                    404, "unknown_session", f"session {sid!r} is not open on instance {self.instance_id}"
+                )
             return s.record()
 
     def close(self, sid: str) -> dict:
@@ -125,7 +154,9 @@ class SessionServer:
         with self._lock:
             s = self._session(sid)
             if s.inflight:
-                raise SessionError(409, "turn_in_progress", f"session {sid!r} is already generating; wait for its reply")
+                raise SessionError(
+                    409, "turn_in_progress", f"session {sid!r} is already generating; wait for its reply"
+                )
             new_ids = self._extend_ids(s, _check_messages(body.get("messages")))
             rid = f"{sid}/{len(s.finish_reasons)}"
             s.inflight = rid
@@ -141,7 +172,9 @@ class SessionServer:
         with self._lock:
             if s.aborted or out.finish_reason == "abort":
                 s.aborted = True
-                raise SessionError(409, "session_aborted", f"session {sid!r} was aborted by a flush of instance {self.instance_id}")
+                raise SessionError(
+                    409, "session_aborted", f"session {sid!r} was aborted by a flush of instance {self.instance_id}"
+                )
             return self._commit(s, body["messages"], new_ids, out)
 
     def _sampling(self, body: dict) -> SamplingParams:
@@ -151,24 +184,41 @@ class SessionServer:
             temperature = float(body.get("temperature", 1.0))
             top_p = float(body.get("top_p", 1.0))
         except (TypeError, ValueError) as e:
-            raise SessionError(400, "invalid_request", f"max_tokens / temperature / top_p must be numbers ({e})") from None
+            raise SessionError(
+                400, "invalid_request", f"max_tokens / temperature / top_p must be numbers ({e})"
+            ) from None
         if max_tokens < 1 or temperature < 0 or not 0 < top_p <= 1:
-            raise SessionError(400, "invalid_request", f"max_tokens = {max_tokens} must be >= 1, temperature = {temperature} "
-                               f">= 0, top_p = {top_p} in (0, 1]")
-        return SamplingParams(max_new_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                              stop_token_ids=tuple(self.tok.stop_token_ids))
+            raise SessionError(
+                400,
+                "invalid_request",
+                f"max_tokens = {max_tokens} must be >= 1, temperature = {temperature} >= 0, top_p = {top_p} in (0, 1]",
+            )
+        return SamplingParams(
+            max_new_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            stop_token_ids=tuple(self.tok.stop_token_ids),
+        )
 
     def _extend_ids(self, s: Session, messages: list[dict]) -> list[int]:
         """Token ids for the messages this session has not seen; the seen ones must match its record exactly."""
         n = len(s.messages)
         if len(messages) <= n:
-            raise SessionError(400, "invalid_request", f"the request has {len(messages)} messages, the session already holds "
-                               f"{n}; send the whole history plus at least one new message")
+            raise SessionError(
+                400,
+                "invalid_request",
+                f"the request has {len(messages)} messages, the session already holds "
+                f"{n}; send the whole history plus at least one new message",
+            )
         for i, (old, new) in enumerate(zip(s.messages, messages)):
             if old["role"] != new.get("role") or (old.get("content") or "") != (new.get("content") or ""):
-                raise SessionError(400, "history_mismatch", f"messages[{i}] ({new.get('role')}) differs from the session's "
-                                   f"record ({old['role']}: {str(old.get('content'))[:60]!r}); a session only grows: resend "
-                                   "its history unchanged, or open a new session")
+                raise SessionError(
+                    400,
+                    "history_mismatch",
+                    f"messages[{i}] ({new.get('role')}) differs from the session's "
+                    f"record ({old['role']}: {str(old.get('content'))[:60]!r}); a session only grows: resend "
+                    "its history unchanged, or open a new session",
+                )
         fresh = [{"role": m["role"], "content": m.get("content") or ""} for m in messages[n:]]
         if not s.token_ids:
             return list(self.tok.apply_chat_template(fresh, add_generation_prompt=True))
@@ -191,13 +241,26 @@ class SessionServer:
             message["tool_calls"] = calls
         finish = "tool_calls" if calls else ("length" if out.finish_reason == "length" else "stop")
         n_prompt = len(s.token_ids) - len(out.output_ids)
-        return {"id": f"chatcmpl-{s.sid}-{len(s.finish_reasons)}", "object": "chat.completion", "created": int(time.time()),
-                "model": self.instance_id, "choices": [{"index": 0, "message": message, "finish_reason": finish}],
-                "usage": {"prompt_tokens": n_prompt, "completion_tokens": len(out.output_ids),
-                          "total_tokens": len(s.token_ids)},
-                "miles": {"session_id": s.sid, "instance_id": self.instance_id, "output_ids": out.output_ids,
-                          "output_log_probs": out.output_log_probs, "weight_version": out.weight_version,
-                          "tool_call_errors": errors}}
+        return {
+            "id": f"chatcmpl-{s.sid}-{len(s.finish_reasons)}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": self.instance_id,
+            "choices": [{"index": 0, "message": message, "finish_reason": finish}],
+            "usage": {
+                "prompt_tokens": n_prompt,
+                "completion_tokens": len(out.output_ids),
+                "total_tokens": len(s.token_ids),
+            },
+            "miles": {
+                "session_id": s.sid,
+                "instance_id": self.instance_id,
+                "output_ids": out.output_ids,
+                "output_log_probs": out.output_log_probs,
+                "weight_version": out.weight_version,
+                "tool_call_errors": errors,
+            },
+        }
 
     # ---- flush --------------------------------------------------------------------------------------------
     def flush(self, timeout_s: float = 5.0, rollout: str = "", step: int = -1) -> dict:
@@ -226,13 +289,23 @@ class SessionServer:
             self.flushed |= set(self.sessions)
             self.sessions = {sid: s for sid, s in self.sessions.items() if s.inflight}
             self.num_flushes += 1
-        return {"instance_id": self.instance_id, "aborted_sessions": n, "aborted_requests": len(rids),
-                "still_running": running, "seconds": time.perf_counter() - t0}
+        return {
+            "instance_id": self.instance_id,
+            "aborted_sessions": n,
+            "aborted_requests": len(rids),
+            "still_running": running,
+            "seconds": time.perf_counter() - t0,
+        }
 
     def health(self) -> dict:
         with self._lock:
-            return {"instance_id": self.instance_id, "pid": os.getpid(), "sessions": len(self.sessions),
-                    "running": sum(bool(s.inflight) for s in self.sessions.values()), "flushes": self.num_flushes}
+            return {
+                "instance_id": self.instance_id,
+                "pid": os.getpid(),
+                "sessions": len(self.sessions),
+                "running": sum(bool(s.inflight) for s in self.sessions.values()),
+                "flushes": self.num_flushes,
+            }
 
 
 def _check_messages(messages) -> list[dict]:
@@ -240,7 +313,9 @@ def _check_messages(messages) -> list[dict]:
         raise SessionError(400, "invalid_request", "'messages' must be a non-empty list of {'role', 'content'} objects")
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content") or "", str):
-            raise SessionError(400, "invalid_request", f"messages[{i}] = {str(m)[:80]!r} needs a string 'role' and 'content'")
+            raise SessionError(
+                400, "invalid_request", f"messages[{i}] = {str(m)[:80]!r} needs a string 'role' and 'content'"
+            )
     return messages
 
 
@@ -262,8 +337,11 @@ def create_app(server: SessionServer) -> FastAPI:
     @app.post("/v1/chat/completions")
     def chat_by_field(body: dict = Body(...)):
         if not isinstance(body.get("session_id"), str):
-            raise SessionError(400, "invalid_request", "POST /v1/chat/completions needs 'session_id' in the body "
-                               "(or use /sessions/<id>/v1 as the base URL)")
+            raise SessionError(
+                400,
+                "invalid_request",
+                "POST /v1/chat/completions needs 'session_id' in the body (or use /sessions/<id>/v1 as the base URL)",
+            )
         return server.chat(body["session_id"], body)
 
     @app.get("/sessions/{sid}")
@@ -278,8 +356,11 @@ def create_app(server: SessionServer) -> FastAPI:
     def flush(body: dict = Body(default={})):
         rollout, step = body.get("rollout", ""), body.get("step", -1)
         if not isinstance(step, int) or not isinstance(rollout, str):
-            raise SessionError(400, "invalid_request", f"POST /flush: 'rollout' = {rollout!r} should be a string and "
-                               f"'step' = {step!r} an integer")
+            raise SessionError(
+                400,
+                "invalid_request",
+                f"POST /flush: 'rollout' = {rollout!r} should be a string and 'step' = {step!r} an integer",
+            )
         return server.flush(float(body.get("timeout_s", 5.0)), rollout, step)
 
     @app.get("/health")
@@ -333,7 +414,9 @@ def main(argv: list[str] | None = None) -> int:
 def _engine(a):
     from miles.agents.policy import make_engine
 
-    return make_engine(a.model_json, seed=a.seed, max_seq_len=a.max_seq_len, max_batch_size=a.max_batch_size, device=a.device)
+    return make_engine(
+        a.model_json, seed=a.seed, max_seq_len=a.max_seq_len, max_batch_size=a.max_batch_size, device=a.device
+    )
 
 
 def _serve(a, port: int, instance_id: str, engine) -> int:

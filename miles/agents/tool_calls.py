@@ -18,7 +18,7 @@ def parse_tool_calls(text: str) -> tuple[list[dict], list[str]]:
     calls, errors = [], []
     start = text.find(MARK)
     while start >= 0:
-        body = text[start + len(MARK):].lstrip()
+        body = text[start + len(MARK) :].lstrip()
         try:
             obj, _ = _DECODER.raw_decode(body)
         except ValueError as e:
@@ -28,8 +28,13 @@ def parse_tool_calls(text: str) -> tuple[list[dict], list[str]]:
         if err:
             errors.append(err)
         else:
-            calls.append({"id": f"call_{len(calls)}", "type": "function",
-                          "function": {"name": obj["name"], "arguments": json.dumps(obj.get("arguments", {}))}})
+            calls.append(
+                {
+                    "id": f"call_{len(calls)}",
+                    "type": "function",
+                    "function": {"name": obj["name"], "arguments": json.dumps(obj.get("arguments", {}))},
+                }
+            )
         start = text.find(MARK, start + len(MARK))
     return calls, errors
 

@@ -25,8 +25,11 @@ def machine_info() -> dict:
     import torch
 
     info = {
-        "host": platform.node(), "python": platform.python_version(), "torch": torch.__version__,
-        "cpu_count": os.cpu_count(), "platform": platform.platform(),
+        "host": platform.node(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpu_count": os.cpu_count(),
+        "platform": platform.platform(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
     if torch.cuda.is_available():

@@ -44,8 +44,13 @@ class _HotOnly(_Threaded):
 
 
 # name -> (class, max_concurrency, compute thread flag in the actor's environment)
-VARIANTS = {"threaded": (_Threaded, 4, False), "hot-only": (_HotOnly, 4, False), "built-and-run": (RolloutManager, 4, True),
-            "compute-1": (RolloutManager, 1, True), "single": (RolloutManager, 1, False)}
+VARIANTS = {
+    "threaded": (_Threaded, 4, False),
+    "hot-only": (_HotOnly, 4, False),
+    "built-and-run": (RolloutManager, 4, True),
+    "compute-1": (RolloutManager, 1, True),
+    "single": (RolloutManager, 1, False),
+}
 
 
 def _matmul_us(n: int = 2000) -> float:
@@ -75,9 +80,11 @@ class _Teams:
 def openmp_teams(ray) -> dict:
     """Matmul microseconds in a single-threaded actor before and after a second thread of it has used torch."""
     a = ray.remote(_Teams).options(num_cpus=0, max_concurrency=1).remote()
-    out = {"ray_thread_alone_us": statistics.median(ray.get(a.on_ray_thread.remote()) for _ in range(3)),
-           "second_thread_us": statistics.median(ray.get(a.on_second_thread.remote()) for _ in range(3)),
-           "ray_thread_after_us": statistics.median(ray.get(a.on_ray_thread.remote()) for _ in range(3))}
+    out = {
+        "ray_thread_alone_us": statistics.median(ray.get(a.on_ray_thread.remote()) for _ in range(3)),
+        "second_thread_us": statistics.median(ray.get(a.on_second_thread.remote()) for _ in range(3)),
+        "ray_thread_after_us": statistics.median(ray.get(a.on_ray_thread.remote()) for _ in range(3)),
+    }
     ray.kill(a)
     return out
 
@@ -128,10 +135,14 @@ def run(argv: list[str]) -> dict:
     finally:
         if owns:
             ray.shutdown()
-    out = {"recipe": args.recipe, "completions_per_call": cfg.rollout.num_prompts_per_step * cfg.rollout.n_samples_per_prompt,
-           "max_new_tokens": cfg.rollout.max_new_tokens, "torch_threads": threads,
-           "openmp_teams_matmul": teams,
-           "variants": {k: {"median_s": statistics.median(v), "min_s": min(v), "calls": len(v)} for k, v in times.items()}}
+    out = {
+        "recipe": args.recipe,
+        "completions_per_call": cfg.rollout.num_prompts_per_step * cfg.rollout.n_samples_per_prompt,
+        "max_new_tokens": cfg.rollout.max_new_tokens,
+        "torch_threads": threads,
+        "openmp_teams_matmul": teams,
+        "variants": {k: {"median_s": statistics.median(v), "min_s": min(v), "calls": len(v)} for k, v in times.items()},
+    }
     base = out["variants"]["single"]["median_s"]
     out["over_single"] = {k: v["median_s"] / base for k, v in out["variants"].items()}
     return out

@@ -49,11 +49,13 @@ def run(argv: list[str]) -> dict:
     cfg = apply_overrides(trl_parity(), ["run_dir=/tmp/miles-bench-cpu-floors"])
     m, r = cfg.model, cfg.rollout
     out: dict = {"threads": torch.get_num_threads(), "matmul_gflops": {}}
-    for label, (rows, k, n) in {"decode_step_linear": (32, m.hidden_size, m.intermediate_size),
-                                "train_linear": (32 * 43, m.hidden_size, m.intermediate_size)}.items():
+    for label, (rows, k, n) in {
+        "decode_step_linear": (32, m.hidden_size, m.intermediate_size),
+        "train_linear": (32 * 43, m.hidden_size, m.intermediate_size),
+    }.items():
         for dtype in (torch.float32, torch.bfloat16):  # bf16: what avx512_bf16 / AMX would give the same shapes
             x, w = torch.randn(rows, k, dtype=dtype), torch.randn(n, k, dtype=dtype)
-            s = _median_s(lambda: torch.nn.functional.linear(x, w), max(args.repeats, 50))
+            s = _median_s(lambda x=x, w=w: torch.nn.functional.linear(x, w), max(args.repeats, 50))
             key = label if dtype == torch.float32 else f"{label}_bf16"
             out["matmul_gflops"][key] = {"shape": [rows, k, n], "us": s * 1e6, "gflops": 2 * rows * k * n / s / 1e9}
 
@@ -72,11 +74,21 @@ def run(argv: list[str]) -> dict:
     n_seq = r.num_prompts_per_step * r.n_samples_per_prompt
     ids = torch.randint(3, m.vocab_size - 1, (n_seq, 12))
     with torch.no_grad():
-        out["hf_generate_s"] = _median_s(lambda: hf.generate(
-            ids, attention_mask=torch.ones_like(ids), do_sample=True, max_new_tokens=r.max_new_tokens,
-            min_new_tokens=r.max_new_tokens, pad_token_id=0), args.repeats)
-    out["note"] = (f"miles rollout = {n_seq} completions of up to {r.max_new_tokens} tokens with rewards and batches; "
-                   f"HF generate = {n_seq} x {r.max_new_tokens} tokens exactly (no stop), 12-token prompts")
+        out["hf_generate_s"] = _median_s(
+            lambda: hf.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=True,
+                max_new_tokens=r.max_new_tokens,
+                min_new_tokens=r.max_new_tokens,
+                pad_token_id=0,
+            ),
+            args.repeats,
+        )
+    out["note"] = (
+        f"miles rollout = {n_seq} completions of up to {r.max_new_tokens} tokens with rewards and batches; "
+        f"HF generate = {n_seq} x {r.max_new_tokens} tokens exactly (no stop), 12-token prompts"
+    )
     return out
 
 
@@ -91,5 +103,10 @@ def _arithmetic_floor(model, cfg, out: dict) -> dict:
     best = max(v["gflops"] for k, v in out["matmul_gflops"].items() if not k.endswith("_bf16")) * 1e9
     train_s = 6 * weights * rows * length / best
     rollout_s = 2 * weights * completions * r.max_new_tokens / best  # generated tokens only, prompts left out
-    return {"matmul_weights": weights, "fp32_gflops_used": best / 1e9, "train_s": train_s, "rollout_s": rollout_s,
-            "step_s": train_s + rollout_s}
+    return {
+        "matmul_weights": weights,
+        "fp32_gflops_used": best / 1e9,
+        "train_s": train_s,
+        "rollout_s": rollout_s,
+        "step_s": train_s + rollout_s,
+    }

@@ -24,15 +24,58 @@ import numpy as np
 from miles.dashboard.store import RolloutDumpWriter, RunDirWriter
 
 CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-                 "--disable-sync", "--no-first-run"]
-WORDS = ["the", "model", "reverse", "letters", "token", "answer", "so", "we", "get", "step", "check", "=", "+",
-         "then", "a", "b", "c", "d", "e", "f", "result", "is", "wait", "let", "me", "think", "again", "ok"]
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+WORDS = [
+    "the",
+    "model",
+    "reverse",
+    "letters",
+    "token",
+    "answer",
+    "so",
+    "we",
+    "get",
+    "step",
+    "check",
+    "=",
+    "+",
+    "then",
+    "a",
+    "b",
+    "c",
+    "d",
+    "e",
+    "f",
+    "result",
+    "is",
+    "wait",
+    "let",
+    "me",
+    "think",
+    "again",
+    "ok",
+]
 LONG_PROMPT = 2048
 
 
-def synthetic_sample(rng: np.random.Generator, *, index: int, group: int, prompt_len: int, response_len: int,
-                     reward: float, advantage: float, weight_version: int) -> dict:
+def synthetic_sample(
+    rng: np.random.Generator,
+    *,
+    index: int,
+    group: int,
+    prompt_len: int,
+    response_len: int,
+    reward: float,
+    advantage: float,
+    weight_version: int,
+) -> dict:
     """A sample shaped like the driver's: tokens, display strings, log-probs that drift, per-token stats."""
     n = prompt_len + response_len
     ids = rng.integers(0, len(WORDS), n)
@@ -42,18 +85,29 @@ def synthetic_sample(rng: np.random.Generator, *, index: int, group: int, prompt
     train = rollout + rng.normal(0, 0.05, response_len) * (1 + 4 * (rng.random(response_len) < 0.01))
     mask = np.ones(response_len, dtype=np.int64)
     if response_len > 40:  # a masked span, as a tool output inside an agent turn would be
-        mask[response_len // 3: response_len // 3 + 12] = 0
+        mask[response_len // 3 : response_len // 3 + 12] = 0
     return {
-        "index": index, "group": group, "reward": reward, "weight_version": weight_version,
+        "index": index,
+        "group": group,
+        "reward": reward,
+        "weight_version": weight_version,
         "finish_reason": "length" if response_len > 1000 else "stop",
-        "prompt_text": "".join(token_text[:prompt_len]).strip(), "response_text": "".join(token_text[prompt_len:]).strip(),
-        "tokens": (ids + 100).tolist(), "token_text": token_text, "prompt_len": prompt_len,
-        "loss_mask": mask.tolist(), "rollout_log_probs": rollout.tolist(), "train_log_probs": train.tolist(),
-        "advantages": np.full(response_len, advantage).tolist(), "entropy": rng.gamma(2.0, 0.4, response_len).tolist(),
+        "prompt_text": "".join(token_text[:prompt_len]).strip(),
+        "response_text": "".join(token_text[prompt_len:]).strip(),
+        "tokens": (ids + 100).tolist(),
+        "token_text": token_text,
+        "prompt_len": prompt_len,
+        "loss_mask": mask.tolist(),
+        "rollout_log_probs": rollout.tolist(),
+        "train_log_probs": train.tolist(),
+        "advantages": np.full(response_len, advantage).tolist(),
+        "entropy": rng.gamma(2.0, 0.4, response_len).tolist(),
     }
 
 
-def synthetic_step(step: int, *, num_groups: int = 4, group_size: int = 4, long_tokens: int = 0, seed: int = 0) -> list[dict]:
+def synthetic_step(
+    step: int, *, num_groups: int = 4, group_size: int = 4, long_tokens: int = 0, seed: int = 0
+) -> list[dict]:
     rng = np.random.default_rng(seed + step)
     samples = []
     for g in range(num_groups):
@@ -62,10 +116,22 @@ def synthetic_step(step: int, *, num_groups: int = 4, group_size: int = 4, long_
         for k in range(group_size):
             idx = g * group_size + k
             is_long = bool(long_tokens) and idx == 1
-            prompt_len = min(LONG_PROMPT, long_tokens // 2) if is_long else 40  # a long prompt: the strip must scroll to the response
+            prompt_len = (
+                min(LONG_PROMPT, long_tokens // 2) if is_long else 40
+            )  # a long prompt: the strip must scroll to the response
             response_len = long_tokens - prompt_len if is_long else int(rng.integers(8, 200))
-            samples.append(synthetic_sample(rng, index=idx, group=g, prompt_len=prompt_len, response_len=response_len,
-                                            reward=float(rewards[k]), advantage=float(adv[k]), weight_version=step))
+            samples.append(
+                synthetic_sample(
+                    rng,
+                    index=idx,
+                    group=g,
+                    prompt_len=prompt_len,
+                    response_len=response_len,
+                    reward=float(rewards[k]),
+                    advantage=float(adv[k]),
+                    weight_version=step,
+                )
+            )
     return samples
 
 
@@ -80,34 +146,59 @@ def synthetic_run(run_dir: str | Path, *, num_steps: int = 3, long_tokens: int =
     for step in range(1, num_steps + 1):
         run.append_ledger(_ledger_step(t, step))
         t += 10
-        run.append_metrics({"step": step, "reward": 0.3 + 0.1 * step + 0.05 * rng.random(), "loss": 1.0 / step,
-                            "kl": 0.01 * step, "entropy": 1.2 - 0.1 * step, "tokens_per_s": 900 + 50 * rng.random(),
-                            "time/generate": 2.0, "time/train": 3.0 + rng.random(), "time/sync": 0.4,
-                            "mem/device_peak": 3.2e9 + 1e8 * step, "mem/host_peak": 5.5e9})
+        run.append_metrics(
+            {
+                "step": step,
+                "reward": 0.3 + 0.1 * step + 0.05 * rng.random(),
+                "loss": 1.0 / step,
+                "kl": 0.01 * step,
+                "entropy": 1.2 - 0.1 * step,
+                "tokens_per_s": 900 + 50 * rng.random(),
+                "time/generate": 2.0,
+                "time/train": 3.0 + rng.random(),
+                "time/sync": 0.4,
+                "mem/device_peak": 3.2e9 + 1e8 * step,
+                "mem/host_peak": 5.5e9,
+            }
+        )
         RolloutDumpWriter(run_dir=run_dir).write_step(
-            step, synthetic_step(step, long_tokens=long_tokens if step == num_steps else 0, seed=seed))
+            step, synthetic_step(step, long_tokens=long_tokens if step == num_steps else 0, seed=seed)
+        )
     return run_dir
 
 
 def _ledger_step(t: float, step: int) -> list[dict]:
     """Memory events of one colocated step: engine weights/kv in and out, trainer params/optimizer around train."""
     gib = 1 << 30
-    moves = [("engine/0", "weights", "device", 2 * gib, "in", "onload_weights"),
-             ("engine/0", "kv_cache", "device", 1 * gib, "in", "onload_kv"),
-             ("engine/0", "kv_cache", "device", 1 * gib, "out", "offload_rollout"),
-             ("engine/0", "weights", "device", 2 * gib, "out", "offload_rollout"),
-             ("engine/0", "weights", "host", 2 * gib, "in", "offload_rollout"),
-             ("trainer/0", "params", "device", 2 * gib, "in", "onload_train"),
-             ("trainer/0", "optimizer", "device", 4 * gib, "in", "onload_train"),
-             ("trainer/0", "grads", "device", 2 * gib, "in", "train"),
-             ("trainer/0", "grads", "device", 2 * gib, "out", "train"),
-             ("trainer/0", "optimizer", "device", 4 * gib, "out", "offload_train"),
-             ("trainer/0", "optimizer", "host", 4 * gib, "in", "offload_train"),
-             ("trainer/0", "params", "device", 2 * gib, "out", "offload_train"),
-             ("engine/0", "weights", "host", 2 * gib, "out", "onload_weights"),
-             ("trainer/0", "optimizer", "host", 4 * gib, "out", "onload_train")]
-    return [{"time": t + 0.6 * i, "owner": o, "tag": tag, "pool": pool, "bytes": b, "direction": d, "phase": ph, "step": step}
-            for i, (o, tag, pool, b, d, ph) in enumerate(moves)]
+    moves = [
+        ("engine/0", "weights", "device", 2 * gib, "in", "onload_weights"),
+        ("engine/0", "kv_cache", "device", 1 * gib, "in", "onload_kv"),
+        ("engine/0", "kv_cache", "device", 1 * gib, "out", "offload_rollout"),
+        ("engine/0", "weights", "device", 2 * gib, "out", "offload_rollout"),
+        ("engine/0", "weights", "host", 2 * gib, "in", "offload_rollout"),
+        ("trainer/0", "params", "device", 2 * gib, "in", "onload_train"),
+        ("trainer/0", "optimizer", "device", 4 * gib, "in", "onload_train"),
+        ("trainer/0", "grads", "device", 2 * gib, "in", "train"),
+        ("trainer/0", "grads", "device", 2 * gib, "out", "train"),
+        ("trainer/0", "optimizer", "device", 4 * gib, "out", "offload_train"),
+        ("trainer/0", "optimizer", "host", 4 * gib, "in", "offload_train"),
+        ("trainer/0", "params", "device", 2 * gib, "out", "offload_train"),
+        ("engine/0", "weights", "host", 2 * gib, "out", "onload_weights"),
+        ("trainer/0", "optimizer", "host", 4 * gib, "out", "onload_train"),
+    ]
+    return [
+        {
+            "time": t + 0.6 * i,
+            "owner": o,
+            "tag": tag,
+            "pool": pool,
+            "bytes": b,
+            "direction": d,
+            "phase": ph,
+            "step": step,
+        }
+        for i, (o, tag, pool, b, d, ph) in enumerate(moves)
+    ]
 
 
 STRIP_JS = """async ({mode, url}) => {
@@ -147,7 +238,12 @@ def _cpu_between_marks(trace: bytes) -> dict:
     start, end = marks["strip-start"], marks["strip-end"]
     main, total = 0, 0
     for e in events:
-        if e.get("ph") == "X" and e.get("cat") == "toplevel" and e["pid"] == start["pid"] and start["ts"] <= e["ts"] <= end["ts"]:
+        if (
+            e.get("ph") == "X"
+            and e.get("cat") == "toplevel"
+            and e["pid"] == start["pid"]
+            and start["ts"] <= e["ts"] <= end["ts"]
+        ):
             total += e.get("tdur", 0)
             main += e.get("tdur", 0) if e["tid"] == start["tid"] else 0
     return {"main_cpu_ms": main / 1000, "renderer_cpu_ms": total / 1000}
@@ -168,12 +264,15 @@ def _measure_strips(browser, page, url: str, repeats: int) -> dict:
     out = {}
     med = lambda xs: round(statistics.median(xs), 1)
     for mode, rs in runs.items():
-        out[mode] = {"first_paint_ms_median": med(r["first_paint_ms"] for r in rs),
-                     "first_paint_ms_all": [round(r["first_paint_ms"], 1) for r in rs],
-                     "main_thread_cpu_ms_median": med(c["main_cpu_ms"] for c in cpu[mode]),
-                     "renderer_cpu_ms_median": med(c["renderer_cpu_ms"] for c in cpu[mode]),
-                     "recolor_ms_median": med(r["recolor_ms"] for r in rs),
-                     "spans_built": rs[0]["spans"], "tokens": rs[0]["tokens"]}
+        out[mode] = {
+            "first_paint_ms_median": med(r["first_paint_ms"] for r in rs),
+            "first_paint_ms_all": [round(r["first_paint_ms"], 1) for r in rs],
+            "main_thread_cpu_ms_median": med(c["main_cpu_ms"] for c in cpu[mode]),
+            "renderer_cpu_ms_median": med(c["renderer_cpu_ms"] for c in cpu[mode]),
+            "recolor_ms_median": med(r["recolor_ms"] for r in rs),
+            "spans_built": rs[0]["spans"],
+            "tokens": rs[0]["tokens"],
+        }
     for key in ("first_paint_ms_median", "main_thread_cpu_ms_median"):
         out[f"speedup_{key.removesuffix('_median')}"] = round(out["naive"][key] / max(out["blocks"][key], 1e-3), 1)
     return out
@@ -194,20 +293,27 @@ def _sample_view(page, base: str, step: int, row: int) -> dict:
     page.wait_for_function(f"document.getElementById('pane-sample').dataset.scrolled === '{step}/{row}'")
     elapsed = time.perf_counter() - t0
     page.remove_listener("request", count)
-    return {"requests_per_sample_view": len(requests), "request_urls": [u.replace(base, "/") for u in requests],
-            "click_to_scrolled_ms": round(elapsed * 1000, 1)}
+    return {
+        "requests_per_sample_view": len(requests),
+        "request_urls": [u.replace(base, "/") for u in requests],
+        "click_to_scrolled_ms": round(elapsed * 1000, 1),
+    }
 
 
 def run(argv: list[str]) -> dict:
     p = argparse.ArgumentParser(prog="miles bench dashboard")
     p.add_argument("--tokens", type=int, default=65536, help="tokens in the long sample")
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--json", action="store_true", help="accepted for `miles bench dashboard --json`; output is JSON anyway")
+    p.add_argument(
+        "--json", action="store_true", help="accepted for `miles bench dashboard --json`; output is JSON anyway"
+    )
     args = p.parse_args(argv)
     try:
         from playwright.sync_api import sync_playwright
     except ImportError as e:
-        raise ImportError("the dashboard benchmark needs playwright and Chromium: pip install 'miles[dev]'; apt install chromium") from e
+        raise ImportError(
+            "the dashboard benchmark needs playwright and Chromium: pip install 'miles[dev]'; apt install chromium"
+        ) from e
     from miles.dashboard.server import DashboardServer
 
     with tempfile.TemporaryDirectory(prefix="miles-bench-dashboard-") as tmp:
@@ -223,6 +329,12 @@ def run(argv: list[str]) -> dict:
             strips = _measure_strips(browser, page, "/api/steps/2/samples/1", args.repeats)
             view = _sample_view(page, server.url, 2, 1)
             browser.close()
-    return {"tokens": args.tokens, "repeats": args.repeats, "write_run_dir_s": round(write_s, 2),
-            "load_avg_1min": [round(load_before, 1), round(os.getloadavg()[0], 1)],
-            "strip": strips, **view, "goal": {"first_paint_ms": 66, "requests_per_sample_view": 1}}
+    return {
+        "tokens": args.tokens,
+        "repeats": args.repeats,
+        "write_run_dir_s": round(write_s, 2),
+        "load_avg_1min": [round(load_before, 1), round(os.getloadavg()[0], 1)],
+        "strip": strips,
+        **view,
+        "goal": {"first_paint_ms": 66, "requests_per_sample_view": 1},
+    }

@@ -34,16 +34,33 @@ from miles.sync.disk_delta import DiskDeltaConfig, DiskDeltaSync, save_baseline
 from miles.sync.staging_pool import byte_view
 
 SIZES = {  # a model whose bf16 weights make a sync long enough to time, trainable in seconds per step
-    "cpu": dict(vocab_size=8192, hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8,
-                num_key_value_heads=4, tokens=(4, 64)),
-    "gpu": dict(vocab_size=32768, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
-                num_attention_heads=16, num_key_value_heads=8, tokens=(8, 512)),
+    "cpu": dict(
+        vocab_size=8192,
+        hidden_size=512,
+        intermediate_size=1408,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        tokens=(4, 64),
+    ),
+    "gpu": dict(
+        vocab_size=32768,
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=16,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        tokens=(8, 512),
+    ),
 }
 
 
 VARIANTS = {  # name -> (encoding, zstd level, zstd threads); the first is DiskDeltaConfig's default
-    "sparse_xor-l1": ("sparse_xor", 1, 0), "xor-l1": ("xor", 1, 0), "xor-l-1": ("xor", -1, 0),
-    "overwrite-l1": ("overwrite", 1, 0), "sparse_xor-l1-2threads": ("sparse_xor", 1, 2),
+    "sparse_xor-l1": ("sparse_xor", 1, 0),
+    "xor-l1": ("xor", 1, 0),
+    "xor-l-1": ("xor", -1, 0),
+    "overwrite-l1": ("overwrite", 1, 0),
+    "sparse_xor-l1-2threads": ("sparse_xor", 1, 2),
     "sparse_xor-l1-all-cores": ("sparse_xor", 1, -1),
 }
 
@@ -103,8 +120,16 @@ def _rl_sequence(cfg: ModelConfig, tokens, lr: float, steps: int, device) -> lis
 def _sync_sequence(seq: list[dict], variant: str, work: Path, device) -> list[dict]:
     encoding, level, threads = VARIANTS[variant]
     base = save_baseline(seq[0], work / "baseline.safetensors")
-    sync = DiskDeltaSync(DiskDeltaConfig(root=str(work / variant), baseline=str(base), encoding=encoding,
-                                         zstd_level=level, zstd_threads=threads, keep_versions=2))
+    sync = DiskDeltaSync(
+        DiskDeltaConfig(
+            root=str(work / variant),
+            baseline=str(base),
+            encoding=encoding,
+            zstd_level=level,
+            zstd_threads=threads,
+            keep_versions=2,
+        )
+    )
     engine, steps = dict(seq[0]), []
     for step, weights in enumerate(seq[1:], start=1):
         weights = {k: v.to(device) for k, v in weights.items()}  # the trainer's tensors live on its device
@@ -114,10 +139,17 @@ def _sync_sequence(seq: list[dict], variant: str, work: Path, device) -> list[di
         m = sync.metrics()
         t0 = time.perf_counter()
         engine = load_version(work / variant, step, engine, local_version=step - 1)
-        steps.append({"delta_bytes": m["disk_delta/wire_bytes"], "delta_total_s": m["disk_delta/total_s"],
-                      "encode_s": m["disk_delta/encode_s"], "encode_cpu_s": m["disk_delta/encode_cpu_s"],
-                      "update_cpu_s": cpu_s,
-                      "apply_s": time.perf_counter() - t0, "raw_bytes": m["disk_delta/raw_bytes"]})
+        steps.append(
+            {
+                "delta_bytes": m["disk_delta/wire_bytes"],
+                "delta_total_s": m["disk_delta/total_s"],
+                "encode_s": m["disk_delta/encode_s"],
+                "encode_cpu_s": m["disk_delta/encode_cpu_s"],
+                "update_cpu_s": cpu_s,
+                "apply_s": time.perf_counter() - t0,
+                "raw_bytes": m["disk_delta/raw_bytes"],
+            }
+        )
     assert all(torch.equal(engine[k], v) for k, v in seq[-1].items()), f"{variant}: engine copy differs from trainer"
     shutil.rmtree(work / variant, ignore_errors=True)
     return steps
@@ -128,16 +160,23 @@ def _run_lr(args, cfg: ModelConfig, tokens, lr: float, device, work: Path) -> di
     seq = _rl_sequence(cfg, tokens, lr, args.steps, device)
     full = [_write_full_checkpoint(w, work / "full.safetensors") for w in seq[1:]]
     density = [_density(new, old) for old, new in zip(seq, seq[1:])]
-    out = {"lr": lr, "density_per_step": density, "median_density": statistics.median(density),
-           "full_bytes": statistics.median(b for b, _ in full), "full_s": statistics.median(t for _, t in full),
-           "variants": {}}
+    out = {
+        "lr": lr,
+        "density_per_step": density,
+        "median_density": statistics.median(density),
+        "full_bytes": statistics.median(b for b, _ in full),
+        "full_s": statistics.median(t for _, t in full),
+        "variants": {},
+    }
     for variant in args.variants:
         steps = _sync_sequence(seq, variant, work, device)
-        med = lambda key: statistics.median(s[key] for s in steps)  # noqa: E731
+        med = lambda key, steps=steps: statistics.median(s[key] for s in steps)  # noqa: E731
         raw = steps[0]["raw_bytes"]
         out["variants"][variant] = {
-            "delta_bytes": med("delta_bytes"), "bytes_ratio_full_over_delta": out["full_bytes"] / max(med("delta_bytes"), 1),
-            "delta_total_s": med("delta_total_s"), "time_ratio_full_over_delta": out["full_s"] / med("delta_total_s"),
+            "delta_bytes": med("delta_bytes"),
+            "bytes_ratio_full_over_delta": out["full_bytes"] / max(med("delta_bytes"), 1),
+            "delta_total_s": med("delta_total_s"),
+            "time_ratio_full_over_delta": out["full_s"] / med("delta_total_s"),
             # thread CPU time misses zstd's worker threads: only meaningful without them
             "encode_gbps_wall": raw / med("encode_s") / 1e9,
             "encode_gbps_per_cpu_s": raw / med("encode_cpu_s") / 1e9 if VARIANTS[variant][2] == 0 else None,
@@ -149,6 +188,7 @@ def _run_lr(args, cfg: ModelConfig, tokens, lr: float, device, work: Path) -> di
 
 def _components(new: np.ndarray, old: np.ndarray, level: int) -> dict:
     """GB/s of each pass of the XOR encoder over one real update, in CPU time of this thread (min of 3)."""
+
     def rate(fn) -> float:
         best = min(_cpu_time(fn) for _ in range(3))
         return new.nbytes / best / 1e9
@@ -159,7 +199,9 @@ def _components(new: np.ndarray, old: np.ndarray, level: int) -> dict:
     payload = zc.compress(xor)
     return {
         "memcpy_gbps": rate(lambda: np.copyto(out, new)),
-        "xor_uint64_gbps": rate(lambda: np.bitwise_xor(new.view(np.uint64), old.view(np.uint64), out=out.view(np.uint64))),
+        "xor_uint64_gbps": rate(
+            lambda: np.bitwise_xor(new.view(np.uint64), old.view(np.uint64), out=out.view(np.uint64))
+        ),
         "xxh3_128_gbps": rate(lambda: xxhash.xxh3_128(new).digest()),
         f"zstd_l{level}_compress_gbps": rate(lambda: zc.compress(xor)),
         "zstd_decompress_gbps": rate(lambda: zstandard.ZstdDecompressor().decompress(payload)),
@@ -192,8 +234,13 @@ def run(argv: list[str]) -> dict:
         shutil.rmtree(work, ignore_errors=True)
     return {
         "updates": "real: HF decoder, FP32 master weights, AdamW steps, bf16 weights synced",
-        "device": str(device), "size": args.size, "num_parameters": cfg.num_parameters,
-        "bf16_bytes": cfg.num_parameters * 2, "variants": {v: VARIANTS[v] for v in args.variants},
-        "steps_per_lr": args.steps, "results": results, "components_first_lr": _components(new, old, 1),
+        "device": str(device),
+        "size": args.size,
+        "num_parameters": cfg.num_parameters,
+        "bf16_bytes": cfg.num_parameters * 2,
+        "variants": {v: VARIANTS[v] for v in args.variants},
+        "steps_per_lr": args.steps,
+        "results": results,
+        "components_first_lr": _components(new, old, 1),
         "goals": {"bytes_ratio_at_typical_rl_lr": ">= 5", "encode_gbps_per_rank": ">= 1"},
     }

@@ -31,22 +31,46 @@ from miles.planner import plan as predict
 from miles.recipes import quickstart
 
 SIZES = {
-    "cpu": ["model.hidden_size=256", "model.intermediate_size=768", "model.num_hidden_layers=4",
-            "model.num_attention_heads=4", "model.num_key_value_heads=2", "model.head_dim=64", "rollout.max_batch_size=32"],
-    "1b": ["model.architecture=llama", "model.attention_bias=false", "model.hidden_size=2048",
-           "model.intermediate_size=5632", "model.num_hidden_layers=22", "model.num_attention_heads=16",
-           "model.num_key_value_heads=4", "model.head_dim=128", "model.dtype=bfloat16", "model.tie_word_embeddings=false",
-           "rollout.max_batch_size=64"],
+    "cpu": [
+        "model.hidden_size=256",
+        "model.intermediate_size=768",
+        "model.num_hidden_layers=4",
+        "model.num_attention_heads=4",
+        "model.num_key_value_heads=2",
+        "model.head_dim=64",
+        "rollout.max_batch_size=32",
+    ],
+    "1b": [
+        "model.architecture=llama",
+        "model.attention_bias=false",
+        "model.hidden_size=2048",
+        "model.intermediate_size=5632",
+        "model.num_hidden_layers=22",
+        "model.num_attention_heads=16",
+        "model.num_key_value_heads=4",
+        "model.head_dim=128",
+        "model.dtype=bfloat16",
+        "model.tie_word_embeddings=false",
+        "rollout.max_batch_size=64",
+    ],
 }
 
 
 def bench_config(size: str, mode: str, level: str, mirror: bool) -> RunConfig:
     over = SIZES[size] + [
-        "rollout.num_prompts_per_step=4", "rollout.n_samples_per_prompt=2", "rollout.max_new_tokens=16",
-        "rollout.max_seq_len=64", "trainer.warmup_sft_steps=0", "trainer.num_minibatches=1", "device=" + _device(),
-        f"handoff.colocate_memory_peak_device={mode}", f"handoff.offload_rollout_level={level}",
-        f"handoff.engine_host_mirror={str(mirror).lower()}", "handoff.hardware=" + ("cpu" if _device() == "cpu" else "auto"),
-        "run_dir=/tmp/miles-bench-handoff"]
+        "rollout.num_prompts_per_step=4",
+        "rollout.n_samples_per_prompt=2",
+        "rollout.max_new_tokens=16",
+        "rollout.max_seq_len=64",
+        "trainer.warmup_sft_steps=0",
+        "trainer.num_minibatches=1",
+        "device=" + _device(),
+        f"handoff.colocate_memory_peak_device={mode}",
+        f"handoff.offload_rollout_level={level}",
+        f"handoff.engine_host_mirror={str(mirror).lower()}",
+        "handoff.hardware=" + ("cpu" if _device() == "cpu" else "auto"),
+        "run_dir=/tmp/miles-bench-handoff",
+    ]
     return apply_overrides(quickstart(), over)
 
 
@@ -82,8 +106,11 @@ def measure(cfg: RunConfig, steps: int, arenas: str = "exact") -> dict:
     wall = time.perf_counter() - t0
     rep = predict(cfg, None, num_steps=steps, host_allocator="arena_kept" if arenas == "kept" else "arena")
     # Colocated.train resets the peak counter per train step and keeps that step's peak on its record
-    measured_peak = (max([r.device_allocated for r in co.records] + [torch.cuda.max_memory_allocated()]) - base
-                     if device == "cuda" else None)
+    measured_peak = (
+        max([r.device_allocated for r in co.records] + [torch.cuda.max_memory_allocated()]) - base
+        if device == "cuda"
+        else None
+    )
     rows = [r for r in co.records if r.phase != "train"]
     pred_rows = [s for s in rep.steps if s.phase not in ("construct", "train")]
     held_equal = all(r.held_device == p.device for r, p in zip(rows, pred_rows))
@@ -92,34 +119,55 @@ def measure(cfg: RunConfig, steps: int, arenas: str = "exact") -> dict:
         host_bytes = sum(e.bytes for e in r.events if e.pool == "host")
         if host_bytes and r.phase != "train":
             a = alloc.get(i, 0.0)
-            copies.append({"step": f"{r.phase}: {r.step}", "bytes": host_bytes, "seconds": r.seconds,
-                           "arena_seconds": a, "GBps": host_bytes / r.seconds / 1e9,
-                           "copy_GBps": host_bytes / max(r.seconds - a, 1e-9) / 1e9})
+            copies.append(
+                {
+                    "step": f"{r.phase}: {r.step}",
+                    "bytes": host_bytes,
+                    "seconds": r.seconds,
+                    "arena_seconds": a,
+                    "GBps": host_bytes / r.seconds / 1e9,
+                    "copy_GBps": host_bytes / max(r.seconds - a, 1e-9) / 1e9,
+                }
+            )
     offload = [(b, a) for name, b, a in rss if name.startswith("trainer.offload")]
-    footprint_pred = [p.host_node - prev.host_node for prev, p in zip(rep.steps, rep.steps[1:]) if p.step.startswith("trainer.offload")]
+    footprint_pred = [
+        p.host_node - prev.host_node
+        for prev, p in zip(rep.steps, rep.steps[1:])
+        if p.step.startswith("trainer.offload")
+    ]
     out = {
-        "arenas": arenas, "mode": plan.mode, "level": list(cfg.handoff.offload_rollout_level), "mirror": cfg.handoff.engine_host_mirror,
-        "parameters": cfg.model.num_parameters, "wall_s": wall,
-        "predicted_device_peak": rep.device_peak, "measured_device_peak": measured_peak,
+        "arenas": arenas,
+        "mode": plan.mode,
+        "level": list(cfg.handoff.offload_rollout_level),
+        "mirror": cfg.handoff.engine_host_mirror,
+        "parameters": cfg.model.num_parameters,
+        "wall_s": wall,
+        "predicted_device_peak": rep.device_peak,
+        "measured_device_peak": measured_peak,
         "device_peak_ratio": measured_peak / rep.device_peak if measured_peak else None,
         "held_bytes_equal_prediction_every_step": held_equal,
         "predicted_host_peak": rep.host_peak,
         "host_copies": copies,
         "handoff_GBps_median": statistics.median(c["GBps"] for c in copies) if copies else None,
-        "handoff_GBps_bytes_weighted": (sum(c["bytes"] for c in copies) / sum(c["seconds"] for c in copies) / 1e9
-                                        if copies else None),
+        "handoff_GBps_bytes_weighted": (
+            sum(c["bytes"] for c in copies) / sum(c["seconds"] for c in copies) / 1e9 if copies else None
+        ),
         # the same moves without the time spent mapping and page-locking fresh arenas (cudaHostRegister)
-        "copy_GBps_bytes_weighted": (sum(c["bytes"] for c in copies) /
-                                     sum(c["seconds"] - c["arena_seconds"] for c in copies) / 1e9 if copies else None),
+        "copy_GBps_bytes_weighted": (
+            sum(c["bytes"] for c in copies) / sum(c["seconds"] - c["arena_seconds"] for c in copies) / 1e9
+            if copies
+            else None
+        ),
         # on CUDA the offloaded bytes leave the GPU, so RSS grows by the backup's footprint alone (on CPU the
         # freed "device" tensors are RAM too, and the difference says nothing)
         "trainer_offload_rss_growth": [a - b for b, a in offload] if device == "cuda" else None,
         "trainer_offload_predicted_footprint_growth": footprint_pred[: len(offload)],
-        "rss_over_predicted_footprint": ([(a - b) / f for (b, a), f in zip(offload, footprint_pred) if f]
-                                         if device == "cuda" else None),
+        "rss_over_predicted_footprint": (
+            [(a - b) / f for (b, a), f in zip(offload, footprint_pred) if f] if device == "cuda" else None
+        ),
     }
     co._call = orig  # break the co -> timed_call -> co cycle so the run's memory is freed now
-    del co, orig
+    co = orig = None  # noqa: F841 (drop the references so the run's memory is freed now)
     gc.collect()
     keep_pinned(False)  # unmaps every kept arena before the next run
     if device == "cuda":
@@ -133,9 +181,11 @@ def copy_ceiling(nbytes: int = 1 << 30, repeats: int = 5) -> dict:
         return {}
     dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     out = {}
-    for name, make in (("arena_pinned", lambda: host_arena(nbytes, pin=True)),
-                       ("torch_pinned", lambda: torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)),
-                       ("pageable", lambda: torch.empty(nbytes, dtype=torch.uint8))):
+    for name, make in (
+        ("arena_pinned", lambda: host_arena(nbytes, pin=True)),
+        ("torch_pinned", lambda: torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)),
+        ("pageable", lambda: torch.empty(nbytes, dtype=torch.uint8)),
+    ):
         host = make()
         host.fill_(1)
         for direction, (dst, src) in (("d2h", (host, dev)), ("h2d", (dev, host))):
@@ -156,7 +206,11 @@ def run(argv: list[str]) -> dict:
     p.add_argument("--size", default="1b" if torch.cuda.is_available() else "cpu", choices=sorted(SIZES))
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--modes", default="cpu,gpu")
-    p.add_argument("--levels", default="kv_cache,weight", help="';'-separated offload_rollout_level sets, e.g. 'kv_cache;kv_cache,weight'")
+    p.add_argument(
+        "--levels",
+        default="kv_cache,weight",
+        help="';'-separated offload_rollout_level sets, e.g. 'kv_cache;kv_cache,weight'",
+    )
     p.add_argument("--mirror", default="true")
     p.add_argument("--arenas", default="exact,kept", help="exact: freed at resume; kept: stay pinned for reuse")
     a = p.parse_args(argv)
@@ -169,8 +223,13 @@ def run(argv: list[str]) -> dict:
     best = max((r["handoff_GBps_bytes_weighted"] or 0) for r in runs)
     copy = max((r["copy_GBps_bytes_weighted"] or 0) for r in runs)
     ceil = min(ceiling["arena_pinned_d2h_GBps"], ceiling["arena_pinned_h2d_GBps"]) if ceiling else None
-    return {"size": a.size, "device": _device(), "runs": runs, "copy_ceiling": ceiling,
-            "handoff_vs_55GBps": best / 55 if ceiling else None,
-            "copy_vs_55GBps": copy / 55 if ceiling else None,
-            "handoff_vs_measured_pinned_ceiling": best / ceil if ceiling else None,
-            "copy_vs_measured_pinned_ceiling": copy / ceil if ceiling else None}
+    return {
+        "size": a.size,
+        "device": _device(),
+        "runs": runs,
+        "copy_ceiling": ceiling,
+        "handoff_vs_55GBps": best / 55 if ceiling else None,
+        "copy_vs_55GBps": copy / 55 if ceiling else None,
+        "handoff_vs_measured_pinned_ceiling": best / ceil if ceiling else None,
+        "copy_vs_measured_pinned_ceiling": copy / ceil if ceiling else None,
+    }

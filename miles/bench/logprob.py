@@ -206,12 +206,25 @@ def _sweep(logits, tokens) -> list[dict]:
     x_g = logits.detach().requires_grad_(True)
     out = []
     try:
-        for block, warps in [(1024, 4), (2048, 4), (2048, 8), (4096, 8), (4096, 16), (8192, 8), (8192, 16), (16384, 16)]:
+        for block, warps in [
+            (1024, 4),
+            (2048, 4),
+            (2048, 8),
+            (4096, 8),
+            (4096, 16),
+            (8192, 8),
+            (8192, 16),
+            (16384, 16),
+        ]:
             fused.BLOCK_V, fused.NUM_WARPS = block, warps
             with torch.no_grad():
-                f = triton.testing.do_bench(lambda: log_probs_and_entropy(logits, tokens, impl="fused"), warmup=5, rep=20)
+                f = triton.testing.do_bench(
+                    lambda: log_probs_and_entropy(logits, tokens, impl="fused"), warmup=5, rep=20
+                )
             fb = triton.testing.do_bench(
-                lambda: log_probs_and_entropy(x_g, tokens, impl="fused")[0].sum().backward(), warmup=5, rep=20,
+                lambda: log_probs_and_entropy(x_g, tokens, impl="fused")[0].sum().backward(),
+                warmup=5,
+                rep=20,
                 grad_to_none=[x_g],
             )
             out.append({"BLOCK_V": block, "num_warps": warps, "fwd_ms": round(f, 4), "fwd+bwd_ms": round(fb, 4)})
@@ -249,10 +262,16 @@ def run(argv: list[str]) -> dict:
         del logits, tokens, lp_ref
     _add_speedups(rows)
     return {
-        "device": device, "dtype": args.dtype, "V": args.V, "chunk_size": args.chunk_size, "temperature": 1.0,
+        "device": device,
+        "dtype": args.dtype,
+        "V": args.V,
+        "chunk_size": args.chunk_size,
+        "temperature": 1.0,
         "timer": "triton.testing.do_bench median" if cuda else "time.perf_counter median of 5",
         "memory": "max_memory_allocated - allocated before" if cuda else "peak live storages created (op level)",
-        "notes": notes, "rows": rows, **({"fused_sweep": sweep} if sweep else {}),
+        "notes": notes,
+        "rows": rows,
+        **({"fused_sweep": sweep} if sweep else {}),
     }
 
 

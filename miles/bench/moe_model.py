@@ -11,12 +11,34 @@ from torch.nn import functional as F
 from miles.quant import QuantizedGroupedLinear
 
 SIZES = {
-    "cpu": {"vocab_size": 128, "hidden_size": 128, "num_hidden_layers": 1, "num_attention_heads": 2,
-            "num_key_value_heads": 2, "head_dim": 64, "n_routed_experts": 4, "num_experts_per_tok": 2,
-            "moe_intermediate_size": 128, "tie_word_embeddings": False, "bench_batch": 2, "bench_seq": 16},
-    "cuda": {"vocab_size": 32768, "hidden_size": 2048, "num_hidden_layers": 4, "num_attention_heads": 16,
-             "num_key_value_heads": 4, "head_dim": 128, "n_routed_experts": 16, "num_experts_per_tok": 2,
-             "moe_intermediate_size": 1024, "tie_word_embeddings": False, "bench_batch": 4, "bench_seq": 512},
+    "cpu": {
+        "vocab_size": 128,
+        "hidden_size": 128,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 128,
+        "tie_word_embeddings": False,
+        "bench_batch": 2,
+        "bench_seq": 16,
+    },
+    "cuda": {
+        "vocab_size": 32768,
+        "hidden_size": 2048,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "n_routed_experts": 16,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 1024,
+        "tie_word_embeddings": False,
+        "bench_batch": 4,
+        "bench_seq": 512,
+    },
 }
 
 
@@ -41,8 +63,10 @@ class MoEBlock(nn.Module):
         q = self.q_proj(x_BTH).view(B, T, self.nh, self.hd).transpose(1, 2)
         k = self.k_proj(x_BTH).view(B, T, self.nkv, self.hd).transpose(1, 2)
         v = self.v_proj(x_BTH).view(B, T, self.nkv, self.hd).transpose(1, 2)
-        k, v = (t[:, :, None].expand(B, self.nkv, self.nh // self.nkv, T, self.hd).reshape(B, self.nh, T, self.hd)
-                for t in (k, v))  # grouped KV heads by views + one copy: no host sync, so CUDA-graph capturable
+        k, v = (
+            t[:, :, None].expand(B, self.nkv, self.nh // self.nkv, T, self.hd).reshape(B, self.nh, T, self.hd)
+            for t in (k, v)
+        )  # grouped KV heads by views + one copy: no host sync, so CUDA-graph capturable
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
 

@@ -28,7 +28,6 @@ import time
 from pathlib import Path
 
 
-
 def _parse(argv: list[str]) -> argparse.Namespace:
     import torch
 
@@ -38,8 +37,11 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--device", default="cuda" if cuda else "cpu")
     p.add_argument("--param-mib", type=int, default=2048 if cuda else 256, help="fp32 master weights")
     p.add_argument("--chunk-mib", type=int, default=128 if cuda else 16)
-    p.add_argument("--matrix", default="4096x4096" if cuda else "131072x8",
-                   help="shape of each fp32 matrix (thin on CPU: Muon's Newton-Schulz cost grows with the short side)")
+    p.add_argument(
+        "--matrix",
+        default="4096x4096" if cuda else "131072x8",
+        help="shape of each fp32 matrix (thin on CPU: Muon's Newton-Schulz cost grows with the short side)",
+    )
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--dir", default=_default_dir(), help="a scratch directory on the local disk (not tmpfs)")
     p.add_argument("--optimizers", default="adamw,muon")
@@ -133,7 +135,6 @@ def _child(spec: dict) -> dict:
 
     from miles.config import TrainerConfig
     from miles.optim import build_optimizer, make_offloader
-
     from miles.optim.disk_offload import DiskOptimizerStateOffloader
 
     device = torch.device(spec["device"])
@@ -146,12 +147,16 @@ def _child(spec: dict) -> dict:
         p.grad = torch.randn(shape, generator=gen, device=device)
     mode = spec["mode"]
     cfg = TrainerConfig(
-        optimizer=spec["optimizer"], optimizer_offload={"resident": "none", "disk-mmap": "disk"}.get(mode, mode),
-        optimizer_offload_dir=spec["dir"], optimizer_offload_chunk_bytes=spec["chunk_mib"] << 20,
+        optimizer=spec["optimizer"],
+        optimizer_offload={"resident": "none", "disk-mmap": "disk"}.get(mode, mode),
+        optimizer_offload_dir=spec["dir"],
+        optimizer_offload_chunk_bytes=spec["chunk_mib"] << 20,
     )
     opt = build_optimizer(params, cfg)
     if mode == "disk-mmap":
-        offloader = DiskOptimizerStateOffloader(opt, directory=spec["dir"], chunk_bytes=spec["chunk_mib"] << 20, io="mmap")
+        offloader = DiskOptimizerStateOffloader(
+            opt, directory=spec["dir"], chunk_bytes=spec["chunk_mib"] << 20, io="mmap"
+        )
     else:
         offloader = make_offloader(cfg, opt, None, rank=0)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -161,7 +166,11 @@ def _child(spec: dict) -> dict:
     peaks = {"restore": 0, "offload": 0}
     rss_with_state = None
     for _ in range(spec["steps"]):
-        for phase, fn in (("restore", offloader and offloader.restore), ("step", opt.step), ("offload", offloader and offloader.offload)):
+        for phase, fn in (
+            ("restore", offloader and offloader.restore),
+            ("step", opt.step),
+            ("offload", offloader and offloader.offload),
+        ):
             reset_peak_rss()
             t0 = time.perf_counter()
             if fn:
@@ -173,17 +182,29 @@ def _child(spec: dict) -> dict:
             if phase == "step" and rss_with_state is None:
                 rss_with_state = status()["VmRSS"]
     rss_after = status()
-    state_bytes = sum(v.numel() * v.element_size() for o in getattr(opt, "optimizers", [opt])
-                      for st in o.state.values() for v in st.values() if torch.is_tensor(v))
+    state_bytes = sum(
+        v.numel() * v.element_size()
+        for o in getattr(opt, "optimizers", [opt])
+        for st in o.state.values()
+        for v in st.values()
+        if torch.is_tensor(v)
+    )
     out = {
-        "optimizer": spec["optimizer"], "mode": spec["mode"], "state_bytes": state_bytes,
-        "param_bytes": num * shape[0] * shape[1] * 4, "num_matrices": num,
-        "step_s": statistics.median(times["step"]), "restore_s": statistics.median(times["restore"]),
+        "optimizer": spec["optimizer"],
+        "mode": spec["mode"],
+        "state_bytes": state_bytes,
+        "param_bytes": num * shape[0] * shape[1] * 4,
+        "num_matrices": num,
+        "step_s": statistics.median(times["step"]),
+        "restore_s": statistics.median(times["restore"]),
         "offload_s": statistics.median(times["offload"]),
-        "rss_model": rss_model["VmRSS"], "rss_with_state": rss_with_state, "rss_after_step_cycle": rss_after["VmRSS"],
+        "rss_model": rss_model["VmRSS"],
+        "rss_with_state": rss_with_state,
+        "rss_after_step_cycle": rss_after["VmRSS"],
         "rss_growth_over_model": rss_after["VmRSS"] - rss_model["VmRSS"],
         "rss_file_growth": rss_after["RssFile"] - rss_model["RssFile"],
-        "peak_rss_offload": peaks["offload"], "peak_rss_restore": peaks["restore"],
+        "peak_rss_offload": peaks["offload"],
+        "peak_rss_restore": peaks["restore"],
         "disk_bytes": sum(c.nbytes for c in offloader.chunks) if mode.startswith("disk") else 0,
     }
     if device.type == "cuda":
@@ -243,22 +264,52 @@ def _disk_throughput(offloader, state_bytes: int, sync, directory: str, repeats:
         sync()
         read_s = time.perf_counter() - t0
         offloader.offload()
-        rows.append({"write_GBps": state_bytes / write_s / 1e9, "read_GBps": state_bytes / read_s / 1e9,
-                     "page_cache_fraction_before_read": cached})
+        rows.append(
+            {
+                "write_GBps": state_bytes / write_s / 1e9,
+                "read_GBps": state_bytes / read_s / 1e9,
+                "page_cache_fraction_before_read": cached,
+            }
+        )
     med = lambda xs, k: statistics.median(x[k] for x in xs)
-    return {"write_GBps": med(rows, "write_GBps"), "read_GBps": med(rows, "read_GBps"),
-            "seq_write_GBps": med(seq, "write_GBps"), "seq_read_GBps": med(seq, "read_GBps"),
-            "seq_read_fresh_GBps": med(seq, "read_fresh_GBps"),
-            "page_cache_fraction_before_read": max(r["page_cache_fraction_before_read"] for r in rows),
-            "repeats": rows, "sequential": seq}
+    return {
+        "write_GBps": med(rows, "write_GBps"),
+        "read_GBps": med(rows, "read_GBps"),
+        "seq_write_GBps": med(seq, "write_GBps"),
+        "seq_read_GBps": med(seq, "read_GBps"),
+        "seq_read_fresh_GBps": med(seq, "read_fresh_GBps"),
+        "page_cache_fraction_before_read": max(r["page_cache_fraction_before_read"] for r in rows),
+        "repeats": rows,
+        "sequential": seq,
+    }
 
 
-def measure(optimizer: str, mode: str, *, directory: str, device: str = "cpu", param_mib: int = 64,
-            chunk_mib: int = 4, steps: int = 2, matrix: str = "32768x32", throughput: bool = False) -> dict:
+def measure(
+    optimizer: str,
+    mode: str,
+    *,
+    directory: str,
+    device: str = "cpu",
+    param_mib: int = 64,
+    chunk_mib: int = 4,
+    steps: int = 2,
+    matrix: str = "32768x32",
+    throughput: bool = False,
+) -> dict:
     """One (optimizer, mode) in a fresh process: RSS, step-phase times, disk bytes (and bandwidth if asked)."""
-    return _run_child({"optimizer": optimizer, "mode": mode, "device": device, "param_mib": param_mib,
-                       "chunk_mib": chunk_mib, "steps": steps, "dir": directory, "matrix": matrix,
-                       "throughput": throughput})
+    return _run_child(
+        {
+            "optimizer": optimizer,
+            "mode": mode,
+            "device": device,
+            "param_mib": param_mib,
+            "chunk_mib": chunk_mib,
+            "steps": steps,
+            "dir": directory,
+            "matrix": matrix,
+            "throughput": throughput,
+        }
+    )
 
 
 def _run_child(spec: dict) -> dict:
@@ -281,36 +332,64 @@ def run(argv: list[str]) -> dict:
     runs = []
     for optimizer in args.optimizers.split(","):
         for mode in args.modes.split(","):
-            spec = {"optimizer": optimizer, "mode": mode, "device": args.device, "param_mib": args.param_mib,
-                    "chunk_mib": args.chunk_mib, "steps": args.steps, "dir": args.dir, "matrix": args.matrix}
+            spec = {
+                "optimizer": optimizer,
+                "mode": mode,
+                "device": args.device,
+                "param_mib": args.param_mib,
+                "chunk_mib": args.chunk_mib,
+                "steps": args.steps,
+                "dir": args.dir,
+                "matrix": args.matrix,
+            }
             runs.append(_run_child(spec))
     shutil.rmtree(args.dir, ignore_errors=True)
     summary = []
     for r in runs:
-        row = {"optimizer": r["optimizer"], "mode": r["mode"], "state_MiB": r["state_bytes"] / 2**20,
-               "step_s": r["step_s"], "restore_s": r["restore_s"], "offload_s": r["offload_s"],
-               "rss_growth_over_model_MiB": r["rss_growth_over_model"] / 2**20,
-               "rss_growth_chunks": r["rss_growth_over_model"] / chunk,
-               "offload_peak_over_state_chunks": (r["peak_rss_offload"] - r["rss_with_state"]) / chunk}
+        row = {
+            "optimizer": r["optimizer"],
+            "mode": r["mode"],
+            "state_MiB": r["state_bytes"] / 2**20,
+            "step_s": r["step_s"],
+            "restore_s": r["restore_s"],
+            "offload_s": r["offload_s"],
+            "rss_growth_over_model_MiB": r["rss_growth_over_model"] / 2**20,
+            "rss_growth_chunks": r["rss_growth_over_model"] / chunk,
+            "offload_peak_over_state_chunks": (r["peak_rss_offload"] - r["rss_with_state"]) / chunk,
+        }
         if "disk" in r:
             d = r["disk"]
-            row.update(disk_write_GBps=d["write_GBps"], disk_read_GBps=d["read_GBps"],
-                       seq_write_GBps=d["seq_write_GBps"], seq_read_GBps=d["seq_read_GBps"],
-                       write_vs_sequential=d["write_GBps"] / d["seq_write_GBps"],
-                       read_vs_sequential=d["read_GBps"] / d["seq_read_GBps"],
-                       read_vs_sequential_fresh=d["read_GBps"] / d["seq_read_fresh_GBps"])
+            row.update(
+                disk_write_GBps=d["write_GBps"],
+                disk_read_GBps=d["read_GBps"],
+                seq_write_GBps=d["seq_write_GBps"],
+                seq_read_GBps=d["seq_read_GBps"],
+                write_vs_sequential=d["write_GBps"] / d["seq_write_GBps"],
+                read_vs_sequential=d["read_GBps"] / d["seq_read_GBps"],
+                read_vs_sequential_fresh=d["read_GBps"] / d["seq_read_fresh_GBps"],
+            )
         summary.append(row)
     disk_rows = [s for s in summary if s["mode"] == "disk"]
     out = {
-        "device": args.device, "dir": args.dir, "filesystem": fstype, "matrix": args.matrix,
-        "param_MiB": args.param_mib, "chunk_MiB": args.chunk_mib, "steps": args.steps,
-        "summary": summary, "runs": runs,
+        "device": args.device,
+        "dir": args.dir,
+        "filesystem": fstype,
+        "matrix": args.matrix,
+        "param_MiB": args.param_mib,
+        "chunk_MiB": args.chunk_mib,
+        "steps": args.steps,
+        "summary": summary,
+        "runs": runs,
         "checks": {
             "disk_rss_growth_within_2_chunks": all(s["rss_growth_chunks"] <= 2.25 for s in disk_rows),
             # a CPU restore reads into fresh memory (the state is re-allocated); on CUDA into a reused pinned buffer
             "disk_read_at_least_70pct_of_sequential_same_destination": all(
-                s["read_vs_sequential_fresh" if args.device == "cpu" else "read_vs_sequential"] >= 0.7 for s in disk_rows),
-            "disk_read_at_least_70pct_of_sequential_touched_buffer": all(s["read_vs_sequential"] >= 0.7 for s in disk_rows),
+                s["read_vs_sequential_fresh" if args.device == "cpu" else "read_vs_sequential"] >= 0.7
+                for s in disk_rows
+            ),
+            "disk_read_at_least_70pct_of_sequential_touched_buffer": all(
+                s["read_vs_sequential"] >= 0.7 for s in disk_rows
+            ),
             "disk_write_at_least_70pct_of_sequential": all(s["write_vs_sequential"] >= 0.7 for s in disk_rows),
         },
     }

@@ -82,15 +82,25 @@ def measure_recipe(cfg: dict, recipe: str, clear: bool, device: torch.device) ->
     predicted = offload_bytes(weight_shapes(cfg), recipe, clear_workspaces=clear)
     p, m = sum(predicted.values()), sum(measured.values())
     return {
-        "recipe": recipe, "clear_workspaces": clear, "predicted_bytes": p, "measured_bytes": m,
-        "measured_over_predicted": round(m / p, 6), "predicted_by_tag": predicted, "measured_by_tag": measured,
-        "pause_seconds": round(seconds, 6), "pause_GBps": round(m / seconds / 1e9, 3) if seconds else None,
+        "recipe": recipe,
+        "clear_workspaces": clear,
+        "predicted_bytes": p,
+        "measured_bytes": m,
+        "measured_over_predicted": round(m / p, 6),
+        "predicted_by_tag": predicted,
+        "measured_by_tag": measured,
+        "pause_seconds": round(seconds, 6),
+        "pause_GBps": round(m / seconds / 1e9, 3) if seconds else None,
         "allocator_freed_bytes": off.allocator_freed,
         "allocator_over_ledger": None if off.allocator_freed is None else round(off.allocator_freed / m, 6),
         "outputs_bit_equal_after_rebuild": bool(torch.equal(before, after)),
-        "clear_report": None if report is None else {"cleared_modules": report.cleared_modules,
-                                                     "bytes_freed": report.bytes_freed,
-                                                     "skipped_reason": report.skipped_reason},
+        "clear_report": None
+        if report is None
+        else {
+            "cleared_modules": report.cleared_modules,
+            "bytes_freed": report.bytes_freed,
+            "skipped_reason": report.skipped_reason,
+        },
     }
 
 
@@ -130,9 +140,12 @@ def cuda_graph_check(cfg: dict, recipe: str, device: torch.device) -> dict:
         off = offload_once(model, device, clear=clear, cuda_graphs_captured=True)
         off.memory.resume(TAGS, phase="onload")
         results["on" if clear else "off"] = {
-            "measured_bytes": sum(off.moved.values()), "measured_by_tag": off.moved,
-            "allocator_freed_bytes": off.allocator_freed, "graph_replay_bit_equal_to_eager": replay_same,
-            "skipped_reason": None if off.report is None else off.report.skipped_reason}
+            "measured_bytes": sum(off.moved.values()),
+            "measured_by_tag": off.moved,
+            "allocator_freed_bytes": off.allocator_freed,
+            "graph_replay_bit_equal_to_eager": replay_same,
+            "skipped_reason": None if off.report is None else off.report.skipped_reason,
+        }
         del graph
     results["same_bytes"] = results["on"]["measured_bytes"] == results["off"]["measured_bytes"]
     return {"recipe": recipe, **results}
@@ -150,10 +163,15 @@ def run(argv: list[str]) -> dict:
     rows = [measure_recipe(cfg, r, clear, device) for r in args.recipes.split(",") for clear in (False, True)]
     by = {(r["recipe"], r["clear_workspaces"]): r["measured_bytes"] for r in rows}
     reduction = {rec: round(1 - by[(rec, True)] / by[(rec, False)], 4) for rec in args.recipes.split(",")}
-    out = {"size": args.size, "model_config": cfg, "device": str(device), "rows": rows,
-           "reduction_with_clearing": reduction,
-           "max_abs_deviation": max(abs(r["measured_over_predicted"] - 1) for r in rows),
-           "all_outputs_bit_equal": all(r["outputs_bit_equal_after_rebuild"] for r in rows)}
+    out = {
+        "size": args.size,
+        "model_config": cfg,
+        "device": str(device),
+        "rows": rows,
+        "reduction_with_clearing": reduction,
+        "max_abs_deviation": max(abs(r["measured_over_predicted"] - 1) for r in rows),
+        "all_outputs_bit_equal": all(r["outputs_bit_equal_after_rebuild"] for r in rows),
+    }
     if device.type == "cuda":  # the CUDA allocator's count of freed bytes cross-checks the ledger's
         out["max_allocator_deviation"] = max(abs(r["allocator_over_ledger"] - 1) for r in rows)
     if args.cuda_graphs:

@@ -31,8 +31,12 @@ def _parser() -> argparse.ArgumentParser:
 
 def _requests(n: int, prompt_len: int, max_new_tokens: int, vocab: int, tag: str) -> list[GenerateRequest]:
     sp = SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0)
-    return [GenerateRequest(rid=f"{tag}-{i}", input_ids=[(7 * i + j) % (vocab - 1) + 1 for j in range(prompt_len)], sampling=sp)
-            for i in range(n)]
+    return [
+        GenerateRequest(
+            rid=f"{tag}-{i}", input_ids=[(7 * i + j) % (vocab - 1) + 1 for j in range(prompt_len)], sampling=sp
+        )
+        for i in range(n)
+    ]
 
 
 async def _fire(target, reqs: list[GenerateRequest]) -> dict:
@@ -58,9 +62,15 @@ async def _fire(target, reqs: list[GenerateRequest]) -> dict:
     await target.aclose()
     lat.sort()
     pct = lambda q: round(1000 * lat[min(len(lat) - 1, int(q * len(lat)))], 1) if lat else None
-    return {"completed": len(lat), "lost": len(reqs) - len(lat), "errors": errors[:5], "wall_s": round(wall, 3),
-            "requests_per_s": round(len(lat) / wall, 1), "tokens_per_s": round(sum(tokens) / wall, 1),
-            "latency_ms": {"p50": pct(0.50), "p99": pct(0.99), "max": round(1000 * lat[-1], 1) if lat else None}}
+    return {
+        "completed": len(lat),
+        "lost": len(reqs) - len(lat),
+        "errors": errors[:5],
+        "wall_s": round(wall, 3),
+        "requests_per_s": round(len(lat) / wall, 1),
+        "tokens_per_s": round(sum(tokens) / wall, 1),
+        "latency_ms": {"p50": pct(0.50), "p99": pct(0.99), "max": round(1000 * lat[-1], 1) if lat else None},
+    }
 
 
 def _batches(clients) -> list[int]:
@@ -96,9 +106,21 @@ def run(argv: list[str]) -> dict:
             p.stop()
     routed["engine_batches"] = [y - x for x, y in zip(b0, b1)]
     single["engine_batches"] = b2[0] - b1[0]
-    return {"config": {"num_requests": a.num_requests, "num_engines": a.num_engines, "max_new_tokens": a.max_new_tokens,
-                       "prompt_len": a.prompt_len, "batch_wait_ms": a.batch_wait_ms, "recipe": a.recipe,
-                       "max_batch_size": cfg.rollout.max_batch_size, "overrides": a.set},
-            "boot_s": round(boot_s, 1), "router": routed, "one_engine_direct": single,
-            "speedup_router_vs_one": round(routed["requests_per_s"] / single["requests_per_s"], 2)
-            if single["requests_per_s"] else None}
+    return {
+        "config": {
+            "num_requests": a.num_requests,
+            "num_engines": a.num_engines,
+            "max_new_tokens": a.max_new_tokens,
+            "prompt_len": a.prompt_len,
+            "batch_wait_ms": a.batch_wait_ms,
+            "recipe": a.recipe,
+            "max_batch_size": cfg.rollout.max_batch_size,
+            "overrides": a.set,
+        },
+        "boot_s": round(boot_s, 1),
+        "router": routed,
+        "one_engine_direct": single,
+        "speedup_router_vs_one": round(routed["requests_per_s"] / single["requests_per_s"], 2)
+        if single["requests_per_s"]
+        else None,
+    }

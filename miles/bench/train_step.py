@@ -27,8 +27,12 @@ from miles.train.batch import TrainBatch
 def _parse(argv: list[str], cuda: bool) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="miles bench train-step")
     p.add_argument("--json", action="store_true", help="accepted for the CLI; the result is always JSON")
-    p.add_argument("--backends", nargs="+", default=["torch", "megatron", "megatron-sdpa"] if cuda else ["torch"],
-                   help="torch, megatron (local spec attention), megatron-sdpa (local spec with torch SDPA attention)")
+    p.add_argument(
+        "--backends",
+        nargs="+",
+        default=["torch", "megatron", "megatron-sdpa"] if cuda else ["torch"],
+        help="torch, megatron (local spec attention), megatron-sdpa (local spec with torch SDPA attention)",
+    )
     p.add_argument("--hidden", type=int, default=2048 if cuda else 128)
     p.add_argument("--intermediate", type=int, default=6144 if cuda else 384)
     p.add_argument("--layers", type=int, default=14 if cuda else 2)
@@ -46,8 +50,10 @@ def _batch(a, device) -> TrainBatch:
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, a.vocab, (a.batch, a.seq), generator=g)
     mask = torch.zeros(a.batch, a.seq)
-    mask[:, a.seq // 4:] = 1
-    return TrainBatch(tokens, mask, torch.zeros(a.batch, a.seq), torch.randn(a.batch, generator=g), list(range(a.batch)))
+    mask[:, a.seq // 4 :] = 1
+    return TrainBatch(
+        tokens, mask, torch.zeros(a.batch, a.seq), torch.randn(a.batch, generator=g), list(range(a.batch))
+    )
 
 
 def _one(name: str, model_cfg: ModelConfig, a, device: str) -> dict:
@@ -56,7 +62,9 @@ def _one(name: str, model_cfg: ModelConfig, a, device: str) -> dict:
     else:
         from miles.train.torch_backend import TorchBackend as Backend
     attention = "sdpa" if name == "megatron-sdpa" else "local"
-    cfg = TrainerConfig(backend="megatron" if name.startswith("megatron") else "torch", lr=1e-5, megatron_attention=attention)
+    cfg = TrainerConfig(
+        backend="megatron" if name.startswith("megatron") else "torch", lr=1e-5, megatron_attention=attention
+    )
     backend = Backend(model_cfg, cfg, device=device, seed=0, offload_policy="none")
     batch = _batch(a, device)
     times = []
@@ -72,8 +80,12 @@ def _one(name: str, model_cfg: ModelConfig, a, device: str) -> dict:
         if i >= a.warmup:
             times.append(time.perf_counter() - t0)
     med = statistics.median(times)
-    out = {"step_s_median": med, "step_s": times, "tokens_per_s": a.batch * a.seq / med,
-           "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None}
+    out = {
+        "step_s_median": med,
+        "step_s": times,
+        "tokens_per_s": a.batch * a.seq / med,
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
+    }
     del backend
     gc.collect()
     if device == "cuda":
@@ -85,17 +97,31 @@ def run(argv: list[str]) -> dict:
     cuda = torch.cuda.is_available()
     a = _parse(argv, cuda)
     device = "cuda" if cuda else "cpu"
-    model_cfg = ModelConfig(architecture="qwen2", vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=a.intermediate,
-                            num_hidden_layers=a.layers, num_attention_heads=a.heads, num_key_value_heads=a.kv_heads,
-                            max_position_embeddings=max(a.seq, 512), dtype="bfloat16" if cuda else "float32")
+    model_cfg = ModelConfig(
+        architecture="qwen2",
+        vocab_size=a.vocab,
+        hidden_size=a.hidden,
+        intermediate_size=a.intermediate,
+        num_hidden_layers=a.layers,
+        num_attention_heads=a.heads,
+        num_key_value_heads=a.kv_heads,
+        max_position_embeddings=max(a.seq, 512),
+        dtype="bfloat16" if cuda else "float32",
+    )
     results, skipped = {}, {}
     for name in a.backends:
         if name.startswith("megatron") and not (cuda and importlib.util.find_spec("megatron") is not None):
             skipped[name] = "needs CUDA and megatron-core (pip install 'miles[gpu]')"
             continue
         results[name] = _one(name, model_cfg, a, device)
-    out = {"num_parameters": model_cfg.num_parameters, "tokens_per_step": a.batch * a.seq, "device": device,
-           "config": vars(a), "results": results, "skipped": skipped}
+    out = {
+        "num_parameters": model_cfg.num_parameters,
+        "tokens_per_step": a.batch * a.seq,
+        "device": device,
+        "config": vars(a),
+        "results": results,
+        "skipped": skipped,
+    }
     for name in results:
         if name != "torch" and "torch" in results:
             out[f"{name}_over_torch_tokens_per_s"] = results[name]["tokens_per_s"] / results["torch"]["tokens_per_s"]

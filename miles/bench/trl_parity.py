@@ -29,8 +29,10 @@ from miles.recipes import trl_parity
 
 
 def parity_config(num_steps: int, run_dir: str) -> RunConfig:
-    return apply_overrides(trl_parity(), [f"num_steps={num_steps}", f"run_dir={run_dir}", "checkpoint_every=0",
-                                          "dump_rollouts=false", "resume=false"])
+    return apply_overrides(
+        trl_parity(),
+        [f"num_steps={num_steps}", f"run_dir={run_dir}", "checkpoint_every=0", "dump_rollouts=false", "resume=false"],
+    )
 
 
 def run(argv: list[str]) -> dict:
@@ -39,28 +41,41 @@ def run(argv: list[str]) -> dict:
     ap.add_argument("--warmup", type=int, default=2, help="RL steps run first and not measured")
     ap.add_argument("--side", choices=("both", "miles", "trl"), default="both")
     ap.add_argument("--timeout", type=int, default=900, help="seconds allowed per side")
-    ap.add_argument("--blocks", type=int, default=2,
-                    help="alternate the sides this many times (miles, TRL, then TRL, miles, ...): load that comes and "
-                         "goes on a shared machine then falls on both sides; medians over every measured step")
+    ap.add_argument(
+        "--blocks",
+        type=int,
+        default=2,
+        help="alternate the sides this many times (miles, TRL, then TRL, miles, ...): load that comes and "
+        "goes on a shared machine then falls on both sides; medians over every measured step",
+    )
     args = ap.parse_args(argv)
     cfg = trl_parity()
-    out = {"config": {"model_parameters": cfg.model.num_parameters, "architecture": cfg.model.architecture,
-                      "prompts_per_step": cfg.rollout.num_prompts_per_step,
-                      "completions_per_step": cfg.rollout.num_prompts_per_step * cfg.rollout.n_samples_per_prompt,
-                      "max_new_tokens": cfg.rollout.max_new_tokens, "warmup_steps": args.warmup,
-                      "measured_steps_per_block": args.steps, "blocks": args.blocks, "torch_threads": "all cores (num_threads=0) on both sides"}}
+    out = {
+        "config": {
+            "model_parameters": cfg.model.num_parameters,
+            "architecture": cfg.model.architecture,
+            "prompts_per_step": cfg.rollout.num_prompts_per_step,
+            "completions_per_step": cfg.rollout.num_prompts_per_step * cfg.rollout.n_samples_per_prompt,
+            "max_new_tokens": cfg.rollout.max_new_tokens,
+            "warmup_steps": args.warmup,
+            "measured_steps_per_block": args.steps,
+            "blocks": args.blocks,
+            "torch_threads": "all cores (num_threads=0) on both sides",
+        }
+    }
     sides = ("miles", "trl") if args.side == "both" else (args.side,)
     blocks: dict[str, list[dict]] = {side: [] for side in sides}
     for b in range(args.blocks):
-        for side in (sides if b % 2 == 0 else sides[::-1]):
+        for side in sides if b % 2 == 0 else sides[::-1]:
             blocks[side].append(run_side(side, args.steps, args.warmup, args.timeout))
     for side in sides:
         out[side] = merge_blocks(blocks[side], args.warmup)
     if len(sides) == 2:
         out["speedup_s_per_step"] = out["trl"]["s_per_step"] / out["miles"]["s_per_step"]
         out["speedup_completions_per_s"] = out["miles"]["completions_per_s"] / out["trl"]["completions_per_s"]
-        out["speedup_completion_tokens_per_s"] = (out["miles"]["completion_tokens_per_s"]
-                                                  / out["trl"]["completion_tokens_per_s"])
+        out["speedup_completion_tokens_per_s"] = (
+            out["miles"]["completion_tokens_per_s"] / out["trl"]["completion_tokens_per_s"]
+        )
         # the fastest measured step of each side: the least disturbed by other load on a shared machine
         out["speedup_fastest_step"] = out["trl"]["s_per_step_min"] / out["miles"]["s_per_step_min"]
     return out
@@ -71,12 +86,27 @@ def run_side(side: str, steps: int, warmup: int, timeout: int) -> dict:
     load = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix=f"miles-trl-parity-{side}-") as tmp:
         result = Path(tmp) / "result.json"
-        cmd = [sys.executable, "-m", "miles.bench.trl_parity", "--child", side, "--steps", str(steps),
-               "--warmup", str(warmup), "--workdir", tmp, "--result", str(result)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "miles.bench.trl_parity",
+            "--child",
+            side,
+            "--steps",
+            str(steps),
+            "--warmup",
+            str(warmup),
+            "--workdir",
+            tmp,
+            "--result",
+            str(result),
+        ]
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
         if proc.returncode != 0 or not result.exists():
-            raise RuntimeError(f"trl-parity {side} side failed (exit {proc.returncode}); stderr tail:\n{proc.stderr[-3000:]}")
+            raise RuntimeError(
+                f"trl-parity {side} side failed (exit {proc.returncode}); stderr tail:\n{proc.stderr[-3000:]}"
+            )
         figures = json.loads(result.read_text())
     return {**figures, "loadavg_before": [round(x, 2) for x in load], "process_wall_s": time.perf_counter() - t0}
 
@@ -86,10 +116,15 @@ def merge_blocks(blocks: list[dict], warmup: int) -> dict:
     steps = [s for b in blocks for s in b["s_per_step_all"][warmup:]]
     med = statistics.median(steps)
     per_step = lambda key: statistics.median(b[key] * b["s_per_step"] for b in blocks)  # noqa: E731
-    merged = {"s_per_step": med, "s_per_step_min": min(steps), "measured_steps": len(steps),
-              "completions_per_s": per_step("completions_per_s") / med,
-              "completion_tokens_per_s": per_step("completion_tokens_per_s") / med,
-              "block_s_per_step": [round(b["s_per_step"], 4) for b in blocks], "blocks": blocks}
+    merged = {
+        "s_per_step": med,
+        "s_per_step_min": min(steps),
+        "measured_steps": len(steps),
+        "completions_per_s": per_step("completions_per_s") / med,
+        "completion_tokens_per_s": per_step("completion_tokens_per_s") / med,
+        "block_s_per_step": [round(b["s_per_step"], 4) for b in blocks],
+        "blocks": blocks,
+    }
     for key in ("mean_completion_tokens", "trl_version", "phase_median_s"):
         if key in blocks[0]:
             merged[key] = blocks[0][key]
@@ -100,9 +135,14 @@ def summarize(step_s: list[float], completions: list[int], tokens: list[int], wa
     """Median seconds per step over the measured steps, and throughput at that median."""
     s, c, t = step_s[warmup:], completions[warmup:], tokens[warmup:]
     med = statistics.median(s)
-    return {"s_per_step": med, "s_per_step_min": min(s), "s_per_step_all": [round(x, 4) for x in step_s],
-            "completions_per_s": statistics.median(c) / med, "completion_tokens_per_s": statistics.median(t) / med,
-            "mean_completion_tokens": sum(t) / max(1, sum(c))}
+    return {
+        "s_per_step": med,
+        "s_per_step_min": min(s),
+        "s_per_step_all": [round(x, 4) for x in step_s],
+        "completions_per_s": statistics.median(c) / med,
+        "completion_tokens_per_s": statistics.median(t) / med,
+        "mean_completion_tokens": sum(t) / max(1, sum(c)),
+    }
 
 
 def miles_side(steps: int, warmup: int, workdir: str) -> dict:
@@ -126,8 +166,10 @@ def trl_side(steps: int, warmup: int, workdir: str) -> dict:
         from transformers import Qwen2Config, Qwen2ForCausalLM, TrainerCallback
         from trl import GRPOConfig, GRPOTrainer
     except ImportError as e:
-        raise SystemExit(f"the TRL side needs trl and its dependencies ({e}): pip install 'trl==1.16.0' "
-                         "(the version measured in BENCHMARKS.md), or run --side miles") from None
+        raise SystemExit(
+            f"the TRL side needs trl and its dependencies ({e}): pip install 'trl==1.16.0' "
+            "(the version measured in BENCHMARKS.md), or run --side miles"
+        ) from None
 
     from miles.model.decoder import build_decoder
     from miles.rollout.tasks import Task, positional_credit
@@ -156,14 +198,36 @@ def trl_side(steps: int, warmup: int, workdir: str) -> dict:
 
     n = r.num_prompts_per_step * r.n_samples_per_prompt
     args = GRPOConfig(
-        output_dir=os.path.join(workdir, "trl"), use_cpu=True, report_to="none", logging_strategy="no",
-        save_strategy="no", disable_tqdm=True, seed=cfg.seed, learning_rate=cfg.trainer.lr, beta=cfg.trainer.kl_coef,
-        max_steps=warmup + steps, per_device_train_batch_size=n, gradient_accumulation_steps=1,
-        generation_batch_size=n, num_generations=r.n_samples_per_prompt, num_iterations=1,
-        max_completion_length=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, dataloader_num_workers=0,
-        shuffle_dataset=False, gradient_checkpointing=False)  # TRL 1.x defaults to checkpointing; off is faster here
-    trainer = GRPOTrainer(model=model, reward_funcs=reverse_reward, args=args, train_dataset=data,
-                          processing_class=ByteTokenizerHF(), callbacks=[StepClock()])
+        output_dir=os.path.join(workdir, "trl"),
+        use_cpu=True,
+        report_to="none",
+        logging_strategy="no",
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=cfg.seed,
+        learning_rate=cfg.trainer.lr,
+        beta=cfg.trainer.kl_coef,
+        max_steps=warmup + steps,
+        per_device_train_batch_size=n,
+        gradient_accumulation_steps=1,
+        generation_batch_size=n,
+        num_generations=r.n_samples_per_prompt,
+        num_iterations=1,
+        max_completion_length=r.max_new_tokens,
+        temperature=r.temperature,
+        top_p=r.top_p,
+        dataloader_num_workers=0,
+        shuffle_dataset=False,
+        gradient_checkpointing=False,
+    )  # TRL 1.x defaults to checkpointing; off is faster here
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=reverse_reward,
+        args=args,
+        train_dataset=data,
+        processing_class=ByteTokenizerHF(),
+        callbacks=[StepClock()],
+    )
     trainer.train()
     step_s = [b - a for a, b in zip(marks, marks[1:])]
     out = summarize(step_s, counted["completions"], counted["tokens"], warmup)
@@ -199,8 +263,14 @@ def _byte_tokenizer_hf():
             self.vocab = {f"<0x{i:02X}>": i for i in range(256)} | self.inner.special_ids
             self.names = {v: k for k, v in self.vocab.items()}
             named = ("<bos>", "<eos>", "<pad>", "<unk>")
-            super().__init__(bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>",
-                             additional_special_tokens=[s for s in SPECIALS if s not in named], **kw)
+            super().__init__(
+                bos_token="<bos>",
+                eos_token="<eos>",
+                pad_token="<pad>",
+                unk_token="<unk>",
+                additional_special_tokens=[s for s in SPECIALS if s not in named],
+                **kw,
+            )
 
         @property
         def vocab_size(self) -> int:

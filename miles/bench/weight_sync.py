@@ -35,8 +35,9 @@ log = logging.getLogger(__name__)
 
 WIDTH = {  # decoder width per device; the layer count is chosen to reach the target size
     "cpu": dict(vocab_size=8192, hidden_size=512, intermediate_size=1408, num_attention_heads=8, num_key_value_heads=4),
-    "cuda": dict(vocab_size=32768, hidden_size=4096, intermediate_size=11008, num_attention_heads=32,
-                 num_key_value_heads=8),
+    "cuda": dict(
+        vocab_size=32768, hidden_size=4096, intermediate_size=11008, num_attention_heads=32, num_key_value_heads=8
+    ),
 }
 TRANSPORTS = {  # variant -> (transport, engine staging, extra)
     "tensor": ("tensor", "direct", {}),
@@ -54,10 +55,31 @@ TRANSPORTS = {  # variant -> (transport, engine staging, extra)
 }
 # rdt over gloo comes last: its Ray collective group makes the trainer process a torch.distributed world of 2,
 # which a transport that gathers over the default group (disk-delta) would then wait on forever.
-DEFAULTS = {"cpu": ["tensor", "tensor:shadow", "tensor:in-place", "tensor:in-place:doorbell", "tensor:in-place:shadow",
-                    "broadcast", "disk-delta", "rdt", "rdt:shadow", "rdt:in-place"],
-            "cuda": ["tensor", "tensor:shadow", "tensor:in-place", "tensor:in-place:ray", "tensor:in-place:shadow", "rdt",
-                     "rdt:shadow", "rdt:in-place", "host-staged"]}  # NCCL cannot pair two ranks on one GPU
+DEFAULTS = {
+    "cpu": [
+        "tensor",
+        "tensor:shadow",
+        "tensor:in-place",
+        "tensor:in-place:doorbell",
+        "tensor:in-place:shadow",
+        "broadcast",
+        "disk-delta",
+        "rdt",
+        "rdt:shadow",
+        "rdt:in-place",
+    ],
+    "cuda": [
+        "tensor",
+        "tensor:shadow",
+        "tensor:in-place",
+        "tensor:in-place:ray",
+        "tensor:in-place:shadow",
+        "rdt",
+        "rdt:shadow",
+        "rdt:in-place",
+        "host-staged",
+    ],
+}  # NCCL cannot pair two ranks on one GPU
 
 
 def _parse(argv: list[str], cuda: bool) -> argparse.Namespace:
@@ -67,7 +89,9 @@ def _parse(argv: list[str], cuda: bool) -> argparse.Namespace:
     p.add_argument("--transports", nargs="+", choices=list(TRANSPORTS), default=DEFAULTS["cuda" if cuda else "cpu"])
     p.add_argument("--bucket-mib", type=float, default=512, help="sync.update_weight_buffer_size")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--check-max-mib", type=float, default=512, help="bit-equal check up to this size, fingerprints above")
+    p.add_argument(
+        "--check-max-mib", type=float, default=512, help="bit-equal check up to this size, fingerprints above"
+    )
     p.add_argument("--cpu", action="store_true", help="run on CPU even when CUDA is present")
     return p.parse_args(argv)
 
@@ -105,8 +129,13 @@ class Trainer:
         source = extra.pop("source", "bucket")
         doorbell = extra.pop("doorbell", None)  # None: the transport's default (rung on CUDA, called on CPU)
         rdt = "cuda_ipc" if self.device == "cuda" else "gloo"  # what auto picks without NIXL, named for in_place
-        cfg = SyncConfig(transport=transport, update_weight_buffer_size=bucket_bytes, engine_staging=staging,
-                         source=source, rdt_transport=rdt if transport == "rdt" else "auto")
+        cfg = SyncConfig(
+            transport=transport,
+            update_weight_buffer_size=bucket_bytes,
+            engine_staging=staging,
+            source=source,
+            rdt_transport=rdt if transport == "rdt" else "auto",
+        )
         if cfg.source == "in_place" and transport == "tensor":
             from miles.sync.in_place import InPlaceSync
 
@@ -230,13 +259,21 @@ def _one_size(ray, target_bytes: int, device: str, args, num_gpus: float) -> dic
     threads = max(1, (os.cpu_count() or 2) // 2)
     opts = dict(num_cpus=0, num_gpus=num_gpus, enable_tensor_transport=True)
     trainer = ray.remote(Trainer).options(max_concurrency=2, **opts).remote(model_cfg, device, threads)
-    engine = ray.remote(EmbeddedEngine).options(max_concurrency=2, **opts).remote(
-        model_cfg, max_batch_size=1, max_seq_len=8, device=device, seed=0)
+    engine = (
+        ray.remote(EmbeddedEngine)
+        .options(max_concurrency=2, **opts)
+        .remote(model_cfg, max_batch_size=1, max_seq_len=8, device=device, seed=0)
+    )
     nbytes = ray.get(trainer.nbytes.remote())
     ray.get(engine.named_weights.remote())
     fingerprint = nbytes > args.check_max_mib * 2**20
-    row = {"target_mib": target_bytes / 2**20, "bytes": nbytes, "layers": model_cfg.num_hidden_layers,
-           "copy_s": ray.get(trainer.copy_seconds.remote(args.repeats)), "transports": {}}
+    row = {
+        "target_mib": target_bytes / 2**20,
+        "bytes": nbytes,
+        "layers": model_cfg.num_hidden_layers,
+        "copy_s": ray.get(trainer.copy_seconds.remote(args.repeats)),
+        "transports": {},
+    }
     row["copy_gbps"] = nbytes / row["copy_s"] / 1e9
     row["ray_call_s"] = _round_trip(ray, engine)  # the floor of any sync that asks the engine by Ray call
     version = 0
@@ -250,17 +287,30 @@ def _one_size(ray, target_bytes: int, device: str, args, num_gpus: float) -> dic
                     ray.get(trainer.perturb.remote(version))
                     t, m = ray.get(trainer.sync.remote(variant, version))
                     times.append(t)
-                    phases.append({k.split("/", 1)[1]: v for k, v in m.items() if k.endswith("_s") or k.endswith("buckets")})
+                    phases.append(
+                        {k.split("/", 1)[1]: v for k, v in m.items() if k.endswith("_s") or k.endswith("buckets")}
+                    )
                 expected = ray.get(trainer.weights.remote(fingerprint))
                 got = ray.get(engine.__ray_call__.remote(_engine_weights, fingerprint))
-                bad = [n for n in expected if (got[n] != expected[n] if fingerprint else not torch.equal(got[n], expected[n]))]
+                bad = [
+                    n
+                    for n in expected
+                    if (got[n] != expected[n] if fingerprint else not torch.equal(got[n], expected[n]))
+                ]
                 s = statistics.median(times[1:])
-                row["transports"][variant] = {"median_s": s, "gbps": nbytes / s / 1e9, "first_s": times[0],
-                                              "x_copy": s / row["copy_s"], "check": "fingerprint" if fingerprint else "bit-equal",
-                                              "check_ok": not bad, "last_phases": phases[-1]}
+                row["transports"][variant] = {
+                    "median_s": s,
+                    "gbps": nbytes / s / 1e9,
+                    "first_s": times[0],
+                    "x_copy": s / row["copy_s"],
+                    "check": "fingerprint" if fingerprint else "bit-equal",
+                    "check_ok": not bad,
+                    "last_phases": phases[-1],
+                }
                 if TRANSPORTS[variant][0] == "rdt":
                     row["transports"][variant]["rdt_floor_s"] = ray.get(
-                        trainer.rdt_floor_seconds.remote(variant, engine, args.repeats))
+                        trainer.rdt_floor_seconds.remote(variant, engine, args.repeats)
+                    )
             except Exception as e:  # one transport failing must not hide the others' figures
                 log.exception("weight-sync bench: %s failed", variant)
                 row["transports"][variant] = {"error": f"{type(e).__name__}: {e}"[:500]}
@@ -290,6 +340,11 @@ def run(argv: list[str]) -> dict:
     finally:
         if own:
             ray.shutdown()
-    return {"device": device, "bucket_mib": args.bucket_mib, "repeats": args.repeats, "ray": ray.__version__,
-            "note": "median seconds per sync after one warm-up; copy = one flat copy of the same bytes in one process",
-            "sizes": rows}
+    return {
+        "device": device,
+        "bucket_mib": args.bucket_mib,
+        "repeats": args.repeats,
+        "ray": ray.__version__,
+        "note": "median seconds per sync after one warm-up; copy = one flat copy of the same bytes in one process",
+        "sizes": rows,
+    }

@@ -15,10 +15,10 @@ import sys
 import threading
 import time
 from pathlib import Path
-
 from typing import Annotated
 
-from fastapi import FastAPI, Path as PathParam, Query
+from fastapi import FastAPI, Query
+from fastapi import Path as PathParam
 from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 from starlette.middleware.trustedhost import TrustedHostMiddleware
@@ -35,7 +35,9 @@ Step = Annotated[int, PathParam(ge=0, le=10**9)]
 Row = Annotated[int, PathParam(ge=0, le=1 << 31)]
 
 
-def create_app(run_dir: str | os.PathLike, *, follow: bool = False, allowed_hosts: tuple[str, ...] = LOOPBACK) -> FastAPI:
+def create_app(
+    run_dir: str | os.PathLike, *, follow: bool = False, allowed_hosts: tuple[str, ...] = LOOPBACK
+) -> FastAPI:
     """The dashboard app for one run directory; ``follow`` tells the page to poll for new data.
 
     Requests must name one of ``allowed_hosts`` in their Host header (loopback by default): a web page
@@ -116,7 +118,9 @@ def bind(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as e:
         sock.close()
-        raise OSError(f"cannot listen on {host}:{port} ({e.strerror}); pick another --port, or 0 for any free one") from e
+        raise OSError(
+            f"cannot listen on {host}:{port} ({e.strerror}); pick another --port, or 0 for any free one"
+        ) from e
     sock.listen(128)
     sock.set_inheritable(True)
     return sock
@@ -168,13 +172,19 @@ class DashboardServer:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
     if not Path(args.run_dir).is_dir():
-        print(f"miles dashboard: {args.run_dir} is not a directory; pass a run_dir written by `miles train`", file=sys.stderr)
+        print(
+            f"miles dashboard: {args.run_dir} is not a directory; pass a run_dir written by `miles train`",
+            file=sys.stderr,
+        )
         return 2
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"miles dashboard: serving on {args.host}: anyone who can reach it can read this run", file=sys.stderr)
     sock = bind(args.host, args.port)
     port = sock.getsockname()[1]
-    print(f"miles dashboard: http://{args.host}:{port}/  ({args.run_dir}{', following' if args.follow else ''})", flush=True)
+    print(
+        f"miles dashboard: http://{args.host}:{port}/  ({args.run_dir}{', following' if args.follow else ''})",
+        flush=True,
+    )
     try:
         app = create_app(args.run_dir, follow=args.follow, allowed_hosts=_allowed_hosts(args.host))
         _uvicorn_server(app).run(sockets=[sock])

@@ -44,12 +44,32 @@ ROLLOUTS = "rollouts"
 STEP_DIR = re.compile(r"^step_(\d{6,})$")
 FLOAT_COLUMNS = ("rollout_log_probs", "train_log_probs", "advantages", "entropy")
 # name -> numpy dtype, in the order they are sent to the browser (every column is 8-byte aligned there)
-COLUMNS = {"tokens": "int32", **dict.fromkeys(FLOAT_COLUMNS, "float32"), "token_text_len": "uint32", "loss_mask": "uint8"}
+COLUMNS = {
+    "tokens": "int32",
+    **dict.fromkeys(FLOAT_COLUMNS, "float32"),
+    "token_text_len": "uint32",
+    "loss_mask": "uint8",
+}
 SAMPLE_MAGIC = b"MLSD"  # sample payload: magic, u32 header length, header JSON, padded columns
 CHUNK_BYTES = 1 << 20
 META_KEYS = ("index", "group", "reward", "weight_version", "finish_reason")
-PER_SAMPLE_KEYS = {"tokens", "token_text", "loss_mask", "prompt_len", "prompt_text", "response_text", *FLOAT_COLUMNS,
-                   "row", "num_tokens", "response_len", "token_start", "token_text_start", "token_text_bytes", "text", "preview"}
+PER_SAMPLE_KEYS = {
+    "tokens",
+    "token_text",
+    "loss_mask",
+    "prompt_len",
+    "prompt_text",
+    "response_text",
+    *FLOAT_COLUMNS,
+    "row",
+    "num_tokens",
+    "response_len",
+    "token_start",
+    "token_text_start",
+    "token_text_bytes",
+    "text",
+    "preview",
+}
 
 
 def _is_scalar(value) -> bool:
@@ -122,7 +142,10 @@ class RolloutDumpWriter:
                 f.close()
         rewards = [m["reward"] for m in metas if isinstance(m.get("reward"), (int, float))]
         summary = {
-            "format": 1, "step": step, "num_samples": len(metas), "num_tokens": pos["token"],
+            "format": 1,
+            "step": step,
+            "num_samples": len(metas),
+            "num_tokens": pos["token"],
             "mean_reward": (sum(rewards) / len(rewards)) if rewards else None,
             "max_tokens": max((m["num_tokens"] for m in metas), default=0),
         }
@@ -136,7 +159,9 @@ class RolloutDumpWriter:
         if not 0 <= prompt_len <= n:
             raise ValueError(f"sample {row}: prompt_len = {prompt_len} must be within [0, {n}] (len(tokens))")
         # round-trip through UTF-8 so stored bytes and UTF-16 lengths agree even for lone surrogates
-        texts = [str(t).encode(errors="replace").decode() for t in sample.get("token_text") or map(str, tokens.tolist())]
+        texts = [
+            str(t).encode(errors="replace").decode() for t in sample.get("token_text") or map(str, tokens.tolist())
+        ]
         if len(texts) != n:
             raise ValueError(f"sample {row}: {len(texts)} token_text strings for {n} tokens; give one per token")
         columns = {"tokens": tokens}
@@ -144,7 +169,9 @@ class RolloutDumpWriter:
             values = sample.get(name)
             columns[name] = np.full(n, np.nan) if values is None else _full_length(name, values, n, prompt_len, np.nan)
         mask = sample.get("loss_mask")
-        columns["loss_mask"] = (np.arange(n) >= prompt_len) if mask is None else _full_length("loss_mask", mask, n, prompt_len, 0)
+        columns["loss_mask"] = (
+            (np.arange(n) >= prompt_len) if mask is None else _full_length("loss_mask", mask, n, prompt_len, 0)
+        )
         columns["token_text_len"] = np.fromiter((len(t.encode("utf-16-le")) // 2 for t in texts), np.int64, n)
         for name, dtype in COLUMNS.items():
             files[name].write(np.ascontiguousarray(columns[name], dtype=dtype).tobytes())
@@ -156,11 +183,19 @@ class RolloutDumpWriter:
             files["text"].write(data)
             text_ranges[key] = [pos["text"], len(data)]
             pos["text"] += len(data)
-        meta = {k: _clean(v) for k, v in sample.items() if k in META_KEYS or (k not in PER_SAMPLE_KEYS and _is_scalar(v))}
+        meta = {
+            k: _clean(v) for k, v in sample.items() if k in META_KEYS or (k not in PER_SAMPLE_KEYS and _is_scalar(v))
+        }
         meta.update(
-            row=row, num_tokens=n, prompt_len=prompt_len, response_len=n - prompt_len,
-            token_start=pos["token"], token_text_start=pos["token_text"], token_text_bytes=len(token_text),
-            text=text_ranges, preview=str(sample.get("response_text", ""))[:120],
+            row=row,
+            num_tokens=n,
+            prompt_len=prompt_len,
+            response_len=n - prompt_len,
+            token_start=pos["token"],
+            token_text_start=pos["token_text"],
+            token_text_bytes=len(token_text),
+            text=text_ranges,
+            preview=str(sample.get("response_text", ""))[:120],
         )
         pos["token"] += n
         pos["token_text"] += len(token_text)
@@ -275,7 +310,9 @@ class RunDirReader:
         for step in self._step_numbers():
             for name in ("summary.json", "index.json"):  # dumps written before summary.json existed
                 try:
-                    out.append({k: v for k, v in self._cached_json(step, name).items() if k not in ("samples", "columns")})
+                    out.append(
+                        {k: v for k, v in self._cached_json(step, name).items() if k not in ("samples", "columns")}
+                    )
                     break
                 except NotInRunDir:
                     continue
@@ -328,7 +365,13 @@ class RunDirReader:
         text_bytes = meta["token_text_bytes"]
         ranges.append((step_dir / "token_text.utf8", meta["token_text_start"], text_bytes))
         layout.append({"name": "token_text", "dtype": "utf8", "offset": offset, "length": text_bytes})
-        header = {"step": step, "step_num_samples": num_samples, "sample": {**meta, **self._texts(step_dir, meta)}, "num_tokens": n, "columns": layout}
+        header = {
+            "step": step,
+            "step_num_samples": num_samples,
+            "sample": {**meta, **self._texts(step_dir, meta)},
+            "num_tokens": n,
+            "columns": layout,
+        }
         head = json.dumps(header, allow_nan=False).encode()
         head += b" " * (_pad8(8 + len(head)) - 8 - len(head))
         prefix = SAMPLE_MAGIC + len(head).to_bytes(4, "little") + head
@@ -349,18 +392,18 @@ def decode_sample(data: bytes) -> dict:
     if data[:4] != SAMPLE_MAGIC:
         raise ValueError(f"not a sample payload (starts with {data[:4]!r}, expected {SAMPLE_MAGIC!r})")
     head_len = int.from_bytes(data[4:8], "little")
-    header = json.loads(data[8:8 + head_len])
+    header = json.loads(data[8 : 8 + head_len])
     base = 8 + head_len
     out = {"step": header["step"], **header["sample"]}
     for c in header["columns"]:
         start = base + c["offset"]
         if c["dtype"] == "utf8":
-            out[c["name"]] = data[start:start + c["length"]].decode()
+            out[c["name"]] = data[start : start + c["length"]].decode()
         else:
             out[c["name"]] = np.frombuffer(data, c["dtype"], c["length"], start)
     ends = np.cumsum(out["token_text_len"])  # UTF-16 units; equal to characters outside the astral planes
     text16 = out["token_text"].encode("utf-16-le")
-    out["token_strings"] = [text16[2 * a:2 * b].decode("utf-16-le") for a, b in zip(np.r_[0, ends[:-1]], ends)]
+    out["token_strings"] = [text16[2 * a : 2 * b].decode("utf-16-le") for a, b in zip(np.r_[0, ends[:-1]], ends)]
     return out
 
 

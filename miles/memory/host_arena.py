@@ -70,8 +70,10 @@ def caching_allocator_footprint(nbytes: int) -> int:
 def _check(err, what: str, nbytes: int) -> None:
     code = getattr(err, "value", err)
     if code:
-        raise RuntimeError(f"{what}({nbytes} bytes) failed with cudaError {code}; the host may be out of lockable "
-                           f"memory (ulimit -l) or its cgroup budget; offload fewer bytes or raise the limit")
+        raise RuntimeError(
+            f"{what}({nbytes} bytes) failed with cudaError {code}; the host may be out of lockable "
+            f"memory (ulimit -l) or its cgroup budget; offload fewer bytes or raise the limit"
+        )
 
 
 def _release(arena) -> None:

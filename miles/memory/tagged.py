@@ -133,7 +133,14 @@ class TaggedMemory:
             storages = unique_storages(self._tensors(name))
             total = sum(s.nbytes() for s in storages)
             if total != tag.recorded:  # allocated (or freed) since the last move, e.g. optimizer state after step 1
-                self.ledger.record(self.owner, name, "device", abs(total - tag.recorded), "in" if total > tag.recorded else "out", "alloc")
+                self.ledger.record(
+                    self.owner,
+                    name,
+                    "device",
+                    abs(total - tag.recorded),
+                    "in" if total > tag.recorded else "out",
+                    "alloc",
+                )
             offsets = _aligned_offsets([s.nbytes() for s in storages])
             if tag.policy != "discard" and total:
                 tag.backup = self._allocate_backup(name, tag.policy, offsets[-1])

@@ -21,8 +21,13 @@ from dataclasses import dataclass
 RECIPES = ("bf16", "fp8", "fp8_block", "mxfp8", "nvfp4")
 SCALE_TILE_ROWS, SCALE_TILE_COLS = 128, 4
 # Asymptotic bytes per weight element of one cached copy (large, tile-aligned layers).
-BYTES_PER_ELEMENT = {"bf16": 0.0, "fp8": 1.0, "fp8_block": 1.0 + 4 / (128 * 128), "mxfp8": 1.0 + 1 / 32,
-                     "nvfp4": 0.5 + 1 / 16}
+BYTES_PER_ELEMENT = {
+    "bf16": 0.0,
+    "fp8": 1.0,
+    "fp8_block": 1.0 + 4 / (128 * 128),
+    "mxfp8": 1.0 + 1 / 32,
+    "nvfp4": 0.5 + 1 / 16,
+}
 
 
 def _up(n: int, m: int) -> int:
@@ -70,9 +75,18 @@ def workspace_bytes(w: WeightShape, recipe: str, training: bool = True) -> int:
     return per * w.count
 
 
-def offload_bytes(shapes: list[WeightShape], recipe: str, *, clear_workspaces: bool, training: bool = True,
-                  param_bytes: int = 2, grad_bytes: int = 0, optimizer_bytes: int = 0, world_size: int = 1,
-                  shard_workspaces: bool = True) -> dict[str, int]:
+def offload_bytes(
+    shapes: list[WeightShape],
+    recipe: str,
+    *,
+    clear_workspaces: bool,
+    training: bool = True,
+    param_bytes: int = 2,
+    grad_bytes: int = 0,
+    optimizer_bytes: int = 0,
+    world_size: int = 1,
+    shard_workspaces: bool = True,
+) -> dict[str, int]:
     """Bytes one offload moves per tag on one rank (an even 1/world_size shard of everything).
 
     ``grad_bytes`` / ``optimizer_bytes`` are per parameter element (0: freed or not offloaded; Adam with FP32
@@ -82,9 +96,12 @@ def offload_bytes(shapes: list[WeightShape], recipe: str, *, clear_workspaces: b
     """
     numel = sum(w.numel for w in shapes)
     ws = 0 if clear_workspaces else sum(workspace_bytes(w, recipe, training) for w in shapes)
-    out = {"params": numel * param_bytes // world_size, "grads": numel * grad_bytes // world_size,
-           "optimizer": numel * optimizer_bytes // world_size,
-           "quant_workspace": ws // world_size if shard_workspaces else ws}
+    out = {
+        "params": numel * param_bytes // world_size,
+        "grads": numel * grad_bytes // world_size,
+        "optimizer": numel * optimizer_bytes // world_size,
+        "quant_workspace": ws // world_size if shard_workspaces else ws,
+    }
     return {tag: b for tag, b in out.items() if b or tag in ("params", "quant_workspace")}
 
 
@@ -101,31 +118,49 @@ def _attention(cfg: dict, h: int, L: int) -> list[WeightShape]:
     if "o_lora_rank" in cfg:  # DeepSeek-V4-like: low-rank q, one shared KV head, grouped low-rank output
         qr, orank, g = cfg["q_lora_rank"], cfg["o_lora_rank"], cfg.get("o_groups", 1)
         nkv = cfg.get("num_key_value_heads", 1)
-        out = [WeightShape("attn.wq_a", qr, h, L), WeightShape("attn.wq_b", nh * hd, qr, L),
-               WeightShape("attn.wkv", nkv * hd, h, L),
-               WeightShape("attn.wo_a", g * orank, nh * hd // g, L), WeightShape("attn.wo_b", h, g * orank, L)]
+        out = [
+            WeightShape("attn.wq_a", qr, h, L),
+            WeightShape("attn.wq_b", nh * hd, qr, L),
+            WeightShape("attn.wkv", nkv * hd, h, L),
+            WeightShape("attn.wo_a", g * orank, nh * hd // g, L),
+            WeightShape("attn.wo_b", h, g * orank, L),
+        ]
         if "index_n_heads" in cfg:  # sparse-attention indexer
             ih, ihd = cfg["index_n_heads"], cfg["index_head_dim"]
-            out += [WeightShape("attn.indexer.wq_b", ih * ihd, qr, L), WeightShape("attn.indexer.wk", ihd, h, L),
-                    WeightShape("attn.indexer.weights_proj", ih, h, L, quantized=False)]
+            out += [
+                WeightShape("attn.indexer.wq_b", ih * ihd, qr, L),
+                WeightShape("attn.indexer.wk", ihd, h, L),
+                WeightShape("attn.indexer.weights_proj", ih, h, L, quantized=False),
+            ]
         return out
     if "kv_lora_rank" in cfg:  # DeepSeek-V3 MLA
         qr, kvr = cfg["q_lora_rank"], cfg["kv_lora_rank"]
         nope, rope, vd = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
-        return [WeightShape("attn.q_a_proj", qr, h, L), WeightShape("attn.q_b_proj", nh * (nope + rope), qr, L),
-                WeightShape("attn.kv_a_proj", kvr + rope, h, L),
-                WeightShape("attn.kv_b_proj", nh * (nope + vd), kvr, L), WeightShape("attn.o_proj", h, nh * vd, L)]
+        return [
+            WeightShape("attn.q_a_proj", qr, h, L),
+            WeightShape("attn.q_b_proj", nh * (nope + rope), qr, L),
+            WeightShape("attn.kv_a_proj", kvr + rope, h, L),
+            WeightShape("attn.kv_b_proj", nh * (nope + vd), kvr, L),
+            WeightShape("attn.o_proj", h, nh * vd, L),
+        ]
     nkv = cfg.get("num_key_value_heads", nh)
-    out = [WeightShape("attn.q_proj", nh * hd, h, L), WeightShape("attn.k_proj", nkv * hd, h, L),
-           WeightShape("attn.v_proj", nkv * hd, h, L), WeightShape("attn.o_proj", h, nh * hd, L)]
+    out = [
+        WeightShape("attn.q_proj", nh * hd, h, L),
+        WeightShape("attn.k_proj", nkv * hd, h, L),
+        WeightShape("attn.v_proj", nkv * hd, h, L),
+        WeightShape("attn.o_proj", h, nh * hd, L),
+    ]
     if cfg.get("attention_bias", cfg.get("model_type") == "qwen2"):  # Qwen2 has q/k/v biases
         out += [WeightShape("attn.qkv_bias", 1, (nh + 2 * nkv) * hd, L, quantized=False)]
     return out
 
 
 def _mlp(prefix: str, h: int, inter: int, count: int) -> list[WeightShape]:
-    return [WeightShape(f"{prefix}.gate_proj", inter, h, count), WeightShape(f"{prefix}.up_proj", inter, h, count),
-            WeightShape(f"{prefix}.down_proj", h, inter, count)]
+    return [
+        WeightShape(f"{prefix}.gate_proj", inter, h, count),
+        WeightShape(f"{prefix}.up_proj", inter, h, count),
+        WeightShape(f"{prefix}.down_proj", h, inter, count),
+    ]
 
 
 def weight_shapes(cfg: dict) -> list[WeightShape]:

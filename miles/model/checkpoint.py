@@ -61,13 +61,17 @@ def load_weights(model, path: str | os.PathLike) -> None:
     own = dict(model.named_parameters())
     missing = [k for k in own if k not in sd and not (k == "lm_head.weight" and model.config.tie_word_embeddings)]
     if missing:
-        raise KeyError(f"checkpoint {path} lacks {len(missing)} tensors, e.g. {missing[:3]}; is it the same architecture?")
+        raise KeyError(
+            f"checkpoint {path} lacks {len(missing)} tensors, e.g. {missing[:3]}; is it the same architecture?"
+        )
     with torch.no_grad():
         for name, p in own.items():
             if name in sd:
                 t = sd[name]
                 if tuple(t.shape) != tuple(p.shape):
-                    raise ValueError(f"checkpoint tensor {name} has shape {tuple(t.shape)}, the model expects {tuple(p.shape)}")
+                    raise ValueError(
+                        f"checkpoint tensor {name} has shape {tuple(t.shape)}, the model expects {tuple(p.shape)}"
+                    )
                 p.copy_(t.to(p.dtype))
 
 

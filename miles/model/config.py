@@ -29,18 +29,28 @@ class ModelConfig:
     tokenizer: str = "bytes"  # "bytes" (built in) or "hf:<dir-or-gguf>" (needs transformers)
 
     def __post_init__(self):
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                     "num_key_value_heads", "max_position_embeddings"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "max_position_embeddings",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"model.{name} = {getattr(self, name)} must be positive")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"model.num_attention_heads = {self.num_attention_heads} is not a multiple of "
-                f"model.num_key_value_heads = {self.num_key_value_heads}; pick a divisor for the KV heads")
+                f"model.num_key_value_heads = {self.num_key_value_heads}; pick a divisor for the KV heads"
+            )
         if not self.head_dim:
             if self.hidden_size % self.num_attention_heads:
-                raise ValueError(f"model.hidden_size = {self.hidden_size} is not divisible by "
-                                 f"num_attention_heads = {self.num_attention_heads}; set model.head_dim explicitly")
+                raise ValueError(
+                    f"model.hidden_size = {self.hidden_size} is not divisible by "
+                    f"num_attention_heads = {self.num_attention_heads}; set model.head_dim explicitly"
+                )
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.head_dim % 2:
             raise ValueError(f"model.head_dim = {self.head_dim} must be even for rotary embeddings")
@@ -57,13 +67,21 @@ class ModelConfig:
         """The ``config.json`` a Hugging Face loader expects for this architecture."""
         cls = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[self.architecture]
         out = {
-            "architectures": [cls], "model_type": self.architecture, "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_hidden_layers, "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_key_value_heads, "head_dim": self.head_dim,
-            "rope_theta": self.rope_theta, "rms_norm_eps": self.rms_norm_eps,
+            "architectures": [cls],
+            "model_type": self.architecture,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "rope_theta": self.rope_theta,
+            "rms_norm_eps": self.rms_norm_eps,
             "max_position_embeddings": self.max_position_embeddings,
-            "tie_word_embeddings": self.tie_word_embeddings, "hidden_act": "silu", "torch_dtype": self.dtype,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "hidden_act": "silu",
+            "torch_dtype": self.dtype,
         }
         if self.architecture == "llama":
             out["attention_bias"] = self.attention_bias

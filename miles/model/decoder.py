@@ -33,7 +33,9 @@ class RMSNorm(nn.Module):
 
 
 def rotary_cos_sin(position_ids_BT: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=position_ids_BT.device, dtype=torch.int64).float() / head_dim))
+    inv_freq = 1.0 / (
+        theta ** (torch.arange(0, head_dim, 2, device=position_ids_BT.device, dtype=torch.int64).float() / head_dim)
+    )
     freqs = position_ids_BT.float()[..., None] * inv_freq  # [B, T, D/2]
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]  # [B, 1, T, D]
@@ -54,8 +56,10 @@ class KVCache:
     @classmethod
     def allocate(cls, cfg: ModelConfig, max_batch: int, max_len: int, device, dtype) -> "KVCache":
         shape = (max_batch, cfg.num_key_value_heads, max_len, cfg.head_dim)
-        return cls([torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers)],
-                   [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers)])
+        return cls(
+            [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers)],
+            [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers)],
+        )
 
     def tensors(self) -> list[torch.Tensor]:
         return self.k + self.v
@@ -152,7 +156,9 @@ class Decoder(nn.Module):
                     p.copy_(torch.randn(p.shape, generator=g) * self.config.init_std)
         return self
 
-    def forward(self, input_ids_BT, position_ids_BT=None, mask_B1TS=None, cache: KVCache | None = None, cache_pos: int = 0):
+    def forward(
+        self, input_ids_BT, position_ids_BT=None, mask_B1TS=None, cache: KVCache | None = None, cache_pos: int = 0
+    ):
         B, T = input_ids_BT.shape
         if position_ids_BT is None:
             position_ids_BT = torch.arange(cache_pos, cache_pos + T, device=input_ids_BT.device).expand(B, T)

@@ -40,8 +40,10 @@ def resolve_hf_config(name_or_path: str) -> Path:
     shipped = HF_CONFIG_DIR / f"{name_or_path}.json"
     if shipped.is_file():
         return shipped
-    raise ValueError(f"model config {name_or_path!r} is neither a config.json path nor a shipped config; "
-                     f"shipped: {available_hf_configs()}")
+    raise ValueError(
+        f"model config {name_or_path!r} is neither a config.json path nor a shipped config; "
+        f"shipped: {available_hf_configs()}"
+    )
 
 
 def load_hf_config(name_or_path: str) -> dict:
@@ -67,11 +69,15 @@ def _extra_shapes(hf: dict, h: int, L: int) -> list[WeightShape]:
     """Norms of the low-rank projections (MLA, DeepSeek-V4) and Qwen3's per-head q/k norms."""
     out = []
     if "kv_lora_rank" in hf:
-        out += [WeightShape("attn.q_a_norm", 1, hf["q_lora_rank"], L, False),
-                WeightShape("attn.kv_a_norm", 1, hf["kv_lora_rank"], L, False)]
+        out += [
+            WeightShape("attn.q_a_norm", 1, hf["q_lora_rank"], L, False),
+            WeightShape("attn.kv_a_norm", 1, hf["kv_lora_rank"], L, False),
+        ]
     elif "o_lora_rank" in hf:
-        out += [WeightShape("attn.q_norm", 1, hf["q_lora_rank"], L, False),
-                WeightShape("attn.kv_norm", 1, hf.get("head_dim", 0), L, False)]
+        out += [
+            WeightShape("attn.q_norm", 1, hf["q_lora_rank"], L, False),
+            WeightShape("attn.kv_norm", 1, hf.get("head_dim", 0), L, False),
+        ]
     elif str(hf.get("model_type", "")).startswith("qwen3"):
         hd = hf.get("head_dim") or h // hf["num_attention_heads"]
         out += [WeightShape("attn.qk_norm", 1, hd, 2 * L, False)]

@@ -6,6 +6,12 @@ from miles.optim.muon import MuonWithAdamW
 from miles.optim.offload import ChunkedOptimizerStateOffloader, MasterWeightsNotResidentError
 
 __all__ = [
-    "build_optimizer", "make_offloader", "ChunkedOptimizerStateOffloader", "DiskOptimizerStateOffloader",
-    "MasterWeightsNotResidentError", "OptimizerOffloadSpaceError", "TmpfsOffloadWarning", "MuonWithAdamW",
+    "build_optimizer",
+    "make_offloader",
+    "ChunkedOptimizerStateOffloader",
+    "DiskOptimizerStateOffloader",
+    "MasterWeightsNotResidentError",
+    "OptimizerOffloadSpaceError",
+    "TmpfsOffloadWarning",
+    "MuonWithAdamW",
 ]

@@ -31,7 +31,9 @@ def build_optimizer(params: Iterable[torch.Tensor] | Iterable[tuple[str, torch.T
     return MuonWithAdamW(
         [p for (_, p), m in zip(named, is_matrix) if m],
         [p for (_, p), m in zip(named, is_matrix) if not m],
-        lr=cfg.lr, weight_decay=cfg.weight_decay, betas=cfg.betas,
+        lr=cfg.lr,
+        weight_decay=cfg.weight_decay,
+        betas=cfg.betas,
     )
 
 
@@ -55,8 +57,12 @@ def make_offloader(
     """
     if cfg.optimizer_offload == "none":
         return None
-    common = dict(chunk_bytes=cfg.optimizer_offload_chunk_bytes, master_params=master_params, ledger=ledger,
-                  owner=owner or f"trainer/{rank}")
+    common = dict(
+        chunk_bytes=cfg.optimizer_offload_chunk_bytes,
+        master_params=master_params,
+        ledger=ledger,
+        owner=owner or f"trainer/{rank}",
+    )
     if cfg.optimizer_offload == "host":
         return ChunkedOptimizerStateOffloader(optimizer, **common)
     return DiskOptimizerStateOffloader(optimizer, directory=cfg.optimizer_offload_dir, rank=rank, **common)

@@ -200,7 +200,9 @@ def _transfer(op, fd: int, pieces: list[tuple[int, torch.Tensor]]) -> None:
     """preadv/pwritev of contiguous pieces, at most IOV_MAX buffers a call, resuming after short transfers."""
     offset = pieces[0][0]
     # ctypes views, not Tensor.numpy(): exporting to numpy marks a storage non-resizable for good
-    buffers = [memoryview((ctypes.c_ubyte * t.numel()).from_address(t.data_ptr())).cast("B") for _, t in pieces if t.numel()]
+    buffers = [
+        memoryview((ctypes.c_ubyte * t.numel()).from_address(t.data_ptr())).cast("B") for _, t in pieces if t.numel()
+    ]
     while buffers:
         done = op(fd, buffers[:IOV_MAX], offset)
         if done == 0:

@@ -89,7 +89,13 @@ def torch_optimizers(optimizer) -> list[torch.optim.Optimizer]:
 
 
 def _state_tensors(optimizer) -> list[torch.Tensor]:
-    return [v for opt in torch_optimizers(optimizer) for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+    return [
+        v
+        for opt in torch_optimizers(optimizer)
+        for st in opt.state.values()
+        for v in st.values()
+        if isinstance(v, torch.Tensor)
+    ]
 
 
 def _optimizer_params(optimizer) -> list[torch.Tensor]:
@@ -235,7 +241,9 @@ class ChunkedOptimizerStateOffloader:
     def _before_step(self, _opt, _args, _kwargs) -> None:
         self.assert_master_weights_resident()
         if self.is_offloaded:
-            raise RuntimeError("optimizer.step() while the optimizer state is offloaded; call offloader.restore() first")
+            raise RuntimeError(
+                "optimizer.step() while the optimizer state is offloaded; call offloader.restore() first"
+            )
 
     def _before_load(self) -> None:
         self.restore()  # resident first, so a failed load leaves the old state intact

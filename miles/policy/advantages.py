@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 
 
-def group_advantages(rewards: list[float], groups: list[int], *, normalize_std: bool = True, eps: float = 1e-6) -> list[float]:
+def group_advantages(
+    rewards: list[float], groups: list[int], *, normalize_std: bool = True, eps: float = 1e-6
+) -> list[float]:
     """(r - mean of its group) / (std of its group + eps); a group whose rewards are all equal gets zeros."""
     r = torch.tensor(rewards, dtype=torch.float64)
     g = torch.tensor(groups)

@@ -28,8 +28,16 @@ NUM_WARPS = 8
 
 @triton.jit
 def _logprob_fwd_kernel(
-    logits_ptr, stride_t, tokens_ptr, lp_ptr, ent_ptr, logz_ptr, V, inv_temp,
-    WITH_ENTROPY: tl.constexpr, BLOCK: tl.constexpr,
+    logits_ptr,
+    stride_t,
+    tokens_ptr,
+    lp_ptr,
+    ent_ptr,
+    logz_ptr,
+    V,
+    inv_temp,
+    WITH_ENTROPY: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * stride_t
@@ -60,9 +68,20 @@ def _logprob_fwd_kernel(
 
 @triton.jit
 def _logprob_bwd_kernel(
-    logits_ptr, stride_t, tokens_ptr, logz_ptr, ent_ptr, grad_lp_ptr, grad_ent_ptr, grad_ptr, stride_g,
-    V, inv_temp,
-    HAS_LP_GRAD: tl.constexpr, HAS_ENT_GRAD: tl.constexpr, BLOCK: tl.constexpr,
+    logits_ptr,
+    stride_t,
+    tokens_ptr,
+    logz_ptr,
+    ent_ptr,
+    grad_lp_ptr,
+    grad_ent_ptr,
+    grad_ptr,
+    stride_g,
+    V,
+    inv_temp,
+    HAS_LP_GRAD: tl.constexpr,
+    HAS_ENT_GRAD: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * stride_t
@@ -97,8 +116,17 @@ def _forward(logits: torch.Tensor, tokens: torch.Tensor, temperature: float, wit
     logz_T = torch.empty_like(lp_T)
     ent_T = torch.empty_like(lp_T) if with_entropy else lp_T.new_empty(0)
     _logprob_fwd_kernel[(T,)](
-        logits, logits.stride(0), tokens, lp_T, ent_T, logz_T, V, 1.0 / temperature,
-        WITH_ENTROPY=with_entropy, BLOCK=BLOCK_V, num_warps=NUM_WARPS,
+        logits,
+        logits.stride(0),
+        tokens,
+        lp_T,
+        ent_T,
+        logz_T,
+        V,
+        1.0 / temperature,
+        WITH_ENTROPY=with_entropy,
+        BLOCK=BLOCK_V,
+        num_warps=NUM_WARPS,
     )
     return lp_T, ent_T, logz_T
 
@@ -120,10 +148,21 @@ class _FusedLogProbs(torch.autograd.Function):
         grad_logits = torch.empty((T, V), dtype=logits.dtype, device=logits.device)
         has_ent_grad = grad_ent_T is not None and ent_T.numel() > 0
         _logprob_bwd_kernel[(T,)](
-            logits, logits.stride(0), tokens, logz_T, ent_T,
-            _contiguous_f32(grad_lp_T, logz_T), _contiguous_f32(grad_ent_T if has_ent_grad else None, logz_T),
-            grad_logits, grad_logits.stride(0), V, 1.0 / ctx.temperature,
-            HAS_LP_GRAD=grad_lp_T is not None, HAS_ENT_GRAD=has_ent_grad, BLOCK=BLOCK_V, num_warps=NUM_WARPS,
+            logits,
+            logits.stride(0),
+            tokens,
+            logz_T,
+            ent_T,
+            _contiguous_f32(grad_lp_T, logz_T),
+            _contiguous_f32(grad_ent_T if has_ent_grad else None, logz_T),
+            grad_logits,
+            grad_logits.stride(0),
+            V,
+            1.0 / ctx.temperature,
+            HAS_LP_GRAD=grad_lp_T is not None,
+            HAS_ENT_GRAD=has_ent_grad,
+            BLOCK=BLOCK_V,
+            num_warps=NUM_WARPS,
         )
         return grad_logits, None, None, None, None
 

@@ -139,8 +139,13 @@ class _ChunkedLogProbs(torch.autograd.Function):
             rows = slice(s, s + C)
             g_ent = _column(grad_ent_T, rows, logits) if has_ent_grad else None
             _backward_chunk(
-                logits[rows], tokens[rows], temperature, _column(grad_lp_T, rows, logits), g_ent,
-                ent_T[rows] if has_ent_grad else None, grad_logits[rows],
+                logits[rows],
+                tokens[rows],
+                temperature,
+                _column(grad_lp_T, rows, logits),
+                g_ent,
+                ent_T[rows] if has_ent_grad else None,
+                grad_logits[rows],
             )
         return grad_logits, None, None, None, None, None
 

@@ -20,9 +20,20 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum() / mask.sum().clamp_min(1.0)
 
 
-def policy_loss(log_probs, old_log_probs, advantages_N, mask, *, kind: str = "grpo", eps_clip: float = 0.2,
-                eps_clip_high: float = 0.28, ref_log_probs=None, kl_coef: float = 0.0, entropy=None,
-                entropy_coef: float = 0.0) -> LossOutput:
+def policy_loss(
+    log_probs,
+    old_log_probs,
+    advantages_N,
+    mask,
+    *,
+    kind: str = "grpo",
+    eps_clip: float = 0.2,
+    eps_clip_high: float = 0.28,
+    ref_log_probs=None,
+    kl_coef: float = 0.0,
+    entropy=None,
+    entropy_coef: float = 0.0,
+) -> LossOutput:
     adv = advantages_N[:, None].expand_as(log_probs)
     if kind == "gspo":
         n = mask.sum(-1).clamp_min(1.0)

@@ -8,6 +8,16 @@ from miles.quant.precision import apply_precision
 from miles.quant.recipe import RECIPES, dequantize, quantize_weight
 from miles.quant.workspace import ClearReport, WeightWorkspace, clear_quantized_workspaces, quantized_workspace_tensors
 
-__all__ = ["RECIPES", "ClearReport", "QuantizedGroupedLinear", "QuantizedLinear", "QuantizedTensor",
-           "WeightWorkspace", "apply_precision", "clear_quantized_workspaces", "dequantize",
-           "quantize_weight", "quantized_workspace_tensors"]
+__all__ = [
+    "RECIPES",
+    "ClearReport",
+    "QuantizedGroupedLinear",
+    "QuantizedLinear",
+    "QuantizedTensor",
+    "WeightWorkspace",
+    "apply_precision",
+    "clear_quantized_workspaces",
+    "dequantize",
+    "quantize_weight",
+    "quantized_workspace_tensors",
+]

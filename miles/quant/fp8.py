@@ -44,4 +44,3 @@ def dequantize_fp8(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> to
     s = q.scale_inv[: r // 128, : c // 128]
     tiles = q.data.float().reshape(r // 128, 128, c // 128, 128) * s[:, None, :, None]
     return tiles.reshape(r, c).to(dtype)
-

@@ -30,15 +30,22 @@ def check_blocks(name: str, shape: tuple[int, ...], block: tuple[int, int], fmt:
             raise ValueError(
                 f"{name}: shape {tuple(shape)} does not split into {fmt} blocks of {block[0]}x{block[1]} "
                 f"(dim {dim} = {size} is not a multiple of {b}); pad that dimension to a multiple of {b} "
-                f"or leave this layer in bf16")
+                f"or leave this layer in bf16"
+            )
 
 
-def padded_scales(scales_RS: torch.Tensor, fill: float, dtype: torch.dtype, rows_tile: int = SCALE_TILE[0],
-                  cols_tile: int = SCALE_TILE[1]) -> torch.Tensor:
+def padded_scales(
+    scales_RS: torch.Tensor,
+    fill: float,
+    dtype: torch.dtype,
+    rows_tile: int = SCALE_TILE[0],
+    cols_tile: int = SCALE_TILE[1],
+) -> torch.Tensor:
     """Scales ``[R, S]`` placed top-left in a ``[round_up(R, rows_tile), round_up(S, cols_tile)]`` buffer."""
     r, s = scales_RS.shape
-    out = torch.full((round_up(r, rows_tile), round_up(s, cols_tile)), fill, dtype=scales_RS.dtype,
-                     device=scales_RS.device)
+    out = torch.full(
+        (round_up(r, rows_tile), round_up(s, cols_tile)), fill, dtype=scales_RS.dtype, device=scales_RS.device
+    )
     out[:r, :s] = scales_RS
     return out.to(dtype) if out.dtype != dtype else out
 

@@ -23,9 +23,17 @@ USE_SCALED_MM = True  # False forces the dequantize + matmul reference path ever
 
 
 def _scaled_mm_fits(x_MK: torch.Tensor, q: QuantizedTensor) -> bool:
-    return (USE_SCALED_MM and q.fmt == "fp8" and x_MK.is_cuda and hasattr(torch, "_scaled_mm")
-            and torch.cuda.get_device_capability(x_MK.device) >= (8, 9)
-            and x_MK.shape[0] > 0 and x_MK.shape[0] % 16 == 0 and x_MK.shape[1] % 16 == 0 and q.shape[0] % 16 == 0)
+    return (
+        USE_SCALED_MM
+        and q.fmt == "fp8"
+        and x_MK.is_cuda
+        and hasattr(torch, "_scaled_mm")
+        and torch.cuda.get_device_capability(x_MK.device) >= (8, 9)
+        and x_MK.shape[0] > 0
+        and x_MK.shape[0] % 16 == 0
+        and x_MK.shape[1] % 16 == 0
+        and q.shape[0] % 16 == 0
+    )
 
 
 def quantized_matmul(x: torch.Tensor, q_NK: QuantizedTensor) -> torch.Tensor:
@@ -33,8 +41,7 @@ def quantized_matmul(x: torch.Tensor, q_NK: QuantizedTensor) -> torch.Tensor:
     x_MK = x.reshape(-1, x.shape[-1])
     if _scaled_mm_fits(x_MK, q_NK):
         xq = quantize_fp8_tensorwise(x_MK.contiguous(), "activation")  # _scaled_mm wants row-major A
-        y = torch._scaled_mm(xq.data, q_NK.data.t(), scale_a=xq.scale_inv, scale_b=q_NK.scale_inv,
-                             out_dtype=x.dtype)
+        y = torch._scaled_mm(xq.data, q_NK.data.t(), scale_a=xq.scale_inv, scale_b=q_NK.scale_inv, out_dtype=x.dtype)
     else:
         y = x_MK @ dequantize(q_NK, x.dtype).t()
     return y.reshape(*x.shape[:-1], q_NK.shape[0])
@@ -99,8 +106,9 @@ class _QuantizedGroupedFn(torch.autograd.Function):
         ctx.save_for_backward(x_TK, weight_ENK)
         ctx.workspace, ctx.name, ctx.group_sizes = workspace, name, group_sizes
         parts = torch.split(x_TK, list(group_sizes))
-        return torch.cat([quantized_matmul(p, workspace.get(f"{name}{e}", weight_ENK[e], "rowwise"))
-                          for e, p in enumerate(parts)])
+        return torch.cat(
+            [quantized_matmul(p, workspace.get(f"{name}{e}", weight_ENK[e], "rowwise")) for e, p in enumerate(parts)]
+        )
 
     @staticmethod
     def backward(ctx, dy_TN):
@@ -108,8 +116,12 @@ class _QuantizedGroupedFn(torch.autograd.Function):
         xs, dys = torch.split(x_TK, list(ctx.group_sizes)), torch.split(dy_TN, list(ctx.group_sizes))
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            dx = torch.cat([quantized_matmul(d, ctx.workspace.get(f"{ctx.name}{e}", weight_ENK[e], "columnwise"))
-                            for e, d in enumerate(dys)])
+            dx = torch.cat(
+                [
+                    quantized_matmul(d, ctx.workspace.get(f"{ctx.name}{e}", weight_ENK[e], "columnwise"))
+                    for e, d in enumerate(dys)
+                ]
+            )
         if ctx.needs_input_grad[1]:
             dw = torch.stack([(d.t() @ x).to(weight_ENK.dtype) for d, x in zip(dys, xs)])
         return dx, dw, None, None, None
@@ -123,12 +135,22 @@ class QuantizedGroupedLinear(nn.Module):
     Each expert's weight is quantized on its own (workspace keys "weight0", "weight1", ...), as TE does.
     """
 
-    def __init__(self, num_groups: int, in_features: int, out_features: int, *, recipe: str = "bf16",
-                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
-                 init_std: float = 0.02, name: str = "weight"):
+    def __init__(
+        self,
+        num_groups: int,
+        in_features: int,
+        out_features: int,
+        *,
+        recipe: str = "bf16",
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+        init_std: float = 0.02,
+        name: str = "weight",
+    ):
         super().__init__()
-        self.weight = nn.Parameter(torch.randn(num_groups, out_features, in_features, dtype=dtype,
-                                               device=device) * init_std)
+        self.weight = nn.Parameter(
+            torch.randn(num_groups, out_features, in_features, dtype=dtype, device=device) * init_std
+        )
         self.name = name
         self.set_recipe(recipe)
 
@@ -140,8 +162,10 @@ class QuantizedGroupedLinear(nn.Module):
     def forward(self, x_TK: torch.Tensor, group_sizes: tuple[int, ...]) -> torch.Tensor:
         group_sizes = tuple(int(g) for g in group_sizes)
         if len(group_sizes) != self.weight.shape[0] or sum(group_sizes) != x_TK.shape[0]:
-            raise ValueError(f"group_sizes {group_sizes} must have {self.weight.shape[0]} entries summing to "
-                             f"the {x_TK.shape[0]} tokens")
+            raise ValueError(
+                f"group_sizes {group_sizes} must have {self.weight.shape[0]} entries summing to "
+                f"the {x_TK.shape[0]} tokens"
+            )
         if self.quant_workspace is None:
             return torch.cat([p @ self.weight[e].t() for e, p in enumerate(torch.split(x_TK, list(group_sizes)))])
         return _QuantizedGroupedFn.apply(x_TK, self.weight, self.quant_workspace, self.name, group_sizes)

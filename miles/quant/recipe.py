@@ -26,8 +26,7 @@ _QUANTIZE = {
     "nvfp4": lambda x, name: quantize_nvfp4(x, name, WEIGHT_BLOCK),
 }
 WEIGHT_BLOCKS = {"fp8": (1, 1), "fp8_block": fp8.BLOCK, "mxfp8": mxfp8.BLOCK, "nvfp4": WEIGHT_BLOCK}
-_DEQUANTIZE = {"fp8": dequantize_fp8, "fp8_block": dequantize_fp8, "mxfp8": dequantize_mxfp8,
-               "nvfp4": dequantize_nvfp4}
+_DEQUANTIZE = {"fp8": dequantize_fp8, "fp8_block": dequantize_fp8, "mxfp8": dequantize_mxfp8, "nvfp4": dequantize_nvfp4}
 
 
 def check_recipe(recipe: str) -> str:

@@ -17,8 +17,17 @@ import torch
 from torch import nn
 
 WORKSPACE_ATTR = "_fp8_workspaces"
-INNER_TENSOR_ATTRS = ("_data", "_transpose", "_scale_inv", "_rowwise_data", "_columnwise_data",
-                      "_rowwise_scale_inv", "_columnwise_scale_inv", "_amax_rowwise", "_amax_columnwise")
+INNER_TENSOR_ATTRS = (
+    "_data",
+    "_transpose",
+    "_scale_inv",
+    "_rowwise_data",
+    "_columnwise_data",
+    "_rowwise_scale_inv",
+    "_columnwise_scale_inv",
+    "_amax_rowwise",
+    "_amax_columnwise",
+)
 
 
 def _inner_tensors(value: object) -> list[torch.Tensor]:

@@ -96,8 +96,9 @@ def _graph_capture_underway() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-def clear_quantized_workspaces(model: nn.Module | Iterable[nn.Module], *, cuda_graphs_captured: bool = False
-                               ) -> ClearReport:
+def clear_quantized_workspaces(
+    model: nn.Module | Iterable[nn.Module], *, cuda_graphs_captured: bool = False
+) -> ClearReport:
     """Drop every cached quantized weight copy in ``model``; skip (one log line, no error) where unsafe or moot.
 
     Call it before pausing the trainer's tags: the freed copies are then never copied to host.

@@ -63,7 +63,9 @@ class GenerateBatcher:
     async def submit(self, requests: list[GenerateRequest], seed: int | None = None) -> list[GenerateOutput]:
         clash = self.rids() & {r.rid for r in requests}
         if clash or len({r.rid for r in requests}) < len(requests):
-            raise EngineError(f"rid(s) {sorted(clash)[:5] or 'repeated within the call'} are already in flight; rids must be unique")
+            raise EngineError(
+                f"rid(s) {sorted(clash)[:5] or 'repeated within the call'} are already in flight; rids must be unique"
+            )
         job = _Job(requests, seed, asyncio.get_running_loop().create_future())
         self.queue.append(job)
         self._wakeup.set()
@@ -117,7 +119,11 @@ class GenerateBatcher:
         if self.queue[0].seed is not None:
             return [self.queue.pop(0)]
         jobs, n = [], 0
-        while self.queue and self.queue[0].seed is None and (not jobs or n + len(self.queue[0].requests) <= self.max_requests):
+        while (
+            self.queue
+            and self.queue[0].seed is None
+            and (not jobs or n + len(self.queue[0].requests) <= self.max_requests)
+        ):
             job = self.queue.pop(0)
             jobs.append(job)
             n += len(job.requests)
@@ -149,4 +155,6 @@ class GenerateBatcher:
 
 
 def _aborted(r: GenerateRequest, weight_version: int) -> GenerateOutput:
-    return GenerateOutput(rid=r.rid, output_ids=[], output_log_probs=[], finish_reason="abort", weight_version=weight_version)
+    return GenerateOutput(
+        rid=r.rid, output_ids=[], output_log_probs=[], finish_reason="abort", weight_version=weight_version
+    )

@@ -60,15 +60,27 @@ class EmbeddedEngine(UpdateCalls):
     engine.resume_memory(["kv_cache"])
     """
 
-    def __init__(self, model_cfg: ModelConfig, *, max_batch_size: int = 64, max_seq_len: int = 0, device="cpu",
-                 seed: int = 0, ledger: MemoryLedger | None = None, owner: str = "engine/0",
-                 weights_policy: str = "discard", logprob_chunk_size: int = 1024):
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        *,
+        max_batch_size: int = 64,
+        max_seq_len: int = 0,
+        device="cpu",
+        seed: int = 0,
+        ledger: MemoryLedger | None = None,
+        owner: str = "engine/0",
+        weights_policy: str = "discard",
+        logprob_chunk_size: int = 1024,
+    ):
         self.cfg, self.device = model_cfg, torch.device(device)
         self.max_batch_size = max_batch_size
         self.max_seq_len = max_seq_len or model_cfg.max_position_embeddings
         self.logprob_chunk_size = logprob_chunk_size
         self.model = build_decoder(model_cfg, seed=seed, device=self.device).eval().requires_grad_(False)
-        self.cache = KVCache.allocate(model_cfg, max_batch_size, self.max_seq_len, self.device, next(self.model.parameters()).dtype)
+        self.cache = KVCache.allocate(
+            model_cfg, max_batch_size, self.max_seq_len, self.device, next(self.model.parameters()).dtype
+        )
         self.ledger = ledger or MemoryLedger()
         self.memory = TaggedMemory(owner, self.ledger, self.device)
         self.memory.register("weights", self.model.parameters(), policy=weights_policy)
@@ -105,13 +117,19 @@ class EmbeddedEngine(UpdateCalls):
             raise EngineError(f"request {r.rid}: input_ids is empty; send at least one token")
         bad = [t for t in r.input_ids if not 0 <= int(t) < self.cfg.vocab_size]
         if bad:
-            raise EngineError(f"request {r.rid}: token ids {bad[:5]} are outside the vocabulary [0, {self.cfg.vocab_size})")
+            raise EngineError(
+                f"request {r.rid}: token ids {bad[:5]} are outside the vocabulary [0, {self.cfg.vocab_size})"
+            )
         need = len(r.input_ids) + r.sampling.max_new_tokens
         if need > self.max_seq_len:
-            raise EngineError(f"request {r.rid}: prompt {len(r.input_ids)} + max_new_tokens {r.sampling.max_new_tokens} = "
-                              f"{need} exceeds the engine's max_seq_len {self.max_seq_len}; shorten it or raise rollout.max_seq_len")
+            raise EngineError(
+                f"request {r.rid}: prompt {len(r.input_ids)} + max_new_tokens {r.sampling.max_new_tokens} = "
+                f"{need} exceeds the engine's max_seq_len {self.max_seq_len}; shorten it or raise rollout.max_seq_len"
+            )
         if self.memory.is_paused("weights") or self.memory.is_paused("kv_cache"):
-            raise EngineError("the engine's memory is released; call resume_memory(['weights', 'kv_cache']) before generate")
+            raise EngineError(
+                "the engine's memory is released; call resume_memory(['weights', 'kv_cache']) before generate"
+            )
 
     @torch.no_grad()
     def _generate_batch(self, reqs: list[GenerateRequest], gen: torch.Generator) -> list[GenerateOutput]:
@@ -122,7 +140,7 @@ class EmbeddedEngine(UpdateCalls):
         ids = torch.zeros(B, P, dtype=torch.long, device=dev)
         valid = torch.zeros(B, L, dtype=torch.bool, device=dev)
         for b, r in enumerate(reqs):
-            ids[b, pad[b]:] = torch.tensor(r.input_ids, device=dev)
+            ids[b, pad[b] :] = torch.tensor(r.input_ids, device=dev)
             valid[b, pad[b] : P] = True
         pad_t = torch.tensor(pad, device=dev)
         pos = (torch.arange(P, device=dev)[None] - pad_t[:, None]).clamp_min(0)
@@ -150,7 +168,9 @@ class EmbeddedEngine(UpdateCalls):
             self._running.wait()
             valid[:, P + t] = True
             with self._lock:
-                logits = self.model(nxt[:, None], (pos[:, -1:] + t + 1), valid[:, None, None, : P + t + 1], self.cache, P + t)[:, -1]
+                logits = self.model(
+                    nxt[:, None], (pos[:, -1:] + t + 1), valid[:, None, None, : P + t + 1], self.cache, P + t
+                )[:, -1]
         ids_T = torch.stack(out_ids, 1).tolist() if out_ids else [[] for _ in reqs]
         lps_T = torch.stack(out_lps, 1).tolist() if out_lps else [[] for _ in reqs]
         outs = []
@@ -160,8 +180,15 @@ class EmbeddedEngine(UpdateCalls):
                 n = next(i for i, tok in enumerate(ids_T[b]) if tok in sp.stop_token_ids) + 1
             elif reason[b] == "abort":
                 n = abort_len[b]
-            outs.append(GenerateOutput(rid=r.rid, output_ids=ids_T[b][:n], output_log_probs=lps_T[b][:n],
-                                       finish_reason=reason[b], weight_version=self.weight_version))
+            outs.append(
+                GenerateOutput(
+                    rid=r.rid,
+                    output_ids=ids_T[b][:n],
+                    output_log_probs=lps_T[b][:n],
+                    finish_reason=reason[b],
+                    weight_version=self.weight_version,
+                )
+            )
         return outs
 
     def _sample(self, logits_BV: torch.Tensor, sp: SamplingParams, gen: torch.Generator):
@@ -228,13 +255,17 @@ class EmbeddedEngine(UpdateCalls):
             raise EngineError(f"weight {name!r} is not a parameter of this model (e.g. {next(iter(self._params))!r})")
         return self._params[name]
 
-    def update_weights_from_tensor(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> None:
+    def update_weights_from_tensor(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None
+    ) -> None:
         """Copy the named tensors in (all validated before any is written); set ``version`` when given."""
         items = list(named_tensors)
         for name, t in items:
             p = self._target(name)
             if tuple(t.shape) != tuple(p.shape) or t.dtype != p.dtype:
-                raise EngineError(f"weight {name}: got {t.dtype} {tuple(t.shape)}, the engine holds {p.dtype} {tuple(p.shape)}")
+                raise EngineError(
+                    f"weight {name}: got {t.dtype} {tuple(t.shape)}, the engine holds {p.dtype} {tuple(p.shape)}"
+                )
         if self.memory.is_paused("weights"):
             raise EngineError("weights are released; resume_memory(['weights']) before updating them")
         with self._lock, torch.no_grad():
@@ -297,13 +328,22 @@ class EmbeddedEngine(UpdateCalls):
     def abort_weight_update(self) -> None:
         self.weight_receiver().abort()
 
-    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
-                                  group_name: str, backend: str = "gloo") -> None:
+    def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str,
+        backend: str = "gloo",
+    ) -> None:
         from miles.sync.receiver import join_group
 
         join_group(master_address, master_port, rank_offset, world_size, group_name, backend)
 
-    def update_weights_from_distributed(self, names, dtypes, shapes, group_name: str, version: int | None = None) -> None:
+    def update_weights_from_distributed(
+        self, names, dtypes, shapes, group_name: str, version: int | None = None
+    ) -> None:
         from miles.sync.receiver import receive_broadcast
 
         receive_broadcast(group_name, names, dtypes, shapes, [self.weight_receiver()], self.device)

@@ -41,8 +41,15 @@ class ServerProcess:
     proc.stop()
     """
 
-    def __init__(self, argv: list[str], *, url: str = "", ready_timeout_s: float = 180.0, env: dict | None = None,
-                 log_path: str = ""):
+    def __init__(
+        self,
+        argv: list[str],
+        *,
+        url: str = "",
+        ready_timeout_s: float = 180.0,
+        env: dict | None = None,
+        log_path: str = "",
+    ):
         self.argv, self.fixed_url, self.ready_timeout_s = list(argv), url, ready_timeout_s
         self.env = {**os.environ, **(env or {})}
         self.log_path = log_path
@@ -63,8 +70,10 @@ class ServerProcess:
         threading.Thread(target=self._drain, args=(self.proc,), daemon=True).start()
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server {' '.join(self.argv[:6])}... exited with code {self.proc.returncode} before "
-                                   f"answering /health{self._log_hint()}")
+                raise RuntimeError(
+                    f"server {' '.join(self.argv[:6])}... exited with code {self.proc.returncode} before "
+                    f"answering /health{self._log_hint()}"
+                )
             try:
                 if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
                     return self.url
@@ -72,7 +81,9 @@ class ServerProcess:
                 pass
             time.sleep(0.1)
         self.stop()
-        raise RuntimeError(f"server at {self.url} did not answer /health within {self.ready_timeout_s:.0f} s{self._log_hint()}")
+        raise RuntimeError(
+            f"server at {self.url} did not answer /health within {self.ready_timeout_s:.0f} s{self._log_hint()}"
+        )
 
     def start(self) -> str:
         self.launch()
@@ -84,7 +95,7 @@ class ServerProcess:
         def read():
             for line in self.proc.stdout:
                 if line.startswith(READY_PREFIX):
-                    found.append(line[len(READY_PREFIX):].strip())
+                    found.append(line[len(READY_PREFIX) :].strip())
                     return
 
         t = threading.Thread(target=read, daemon=True)
@@ -93,8 +104,10 @@ class ServerProcess:
         if not found:
             code = self.proc.poll()
             self.stop()
-            raise RuntimeError(f"server did not report its address ({'exit code ' + str(code) if code is not None else 'timeout'})"
-                               f"{self._log_hint()}")
+            raise RuntimeError(
+                f"server did not report its address ({'exit code ' + str(code) if code is not None else 'timeout'})"
+                f"{self._log_hint()}"
+            )
         return found[0]
 
     @staticmethod
@@ -139,13 +152,38 @@ def _stop_all() -> None:
         p.stop(timeout_s=2.0)
 
 
-def miles_serve_argv(config_path: str, *, owner: str = "engine/0", host: str = "127.0.0.1", port: int = 0,
-                     batch_wait_ms: float = 5.0, extra: list[str] = ()) -> list[str]:
-    return [sys.executable, "-m", "miles.rollout.server", "--config", config_path, "--host", host, "--port", str(port),
-            "--owner", owner, "--batch-wait-ms", str(batch_wait_ms), "--parent-pid", str(os.getpid()), *extra]
+def miles_serve_argv(
+    config_path: str,
+    *,
+    owner: str = "engine/0",
+    host: str = "127.0.0.1",
+    port: int = 0,
+    batch_wait_ms: float = 5.0,
+    extra: list[str] = (),
+) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "miles.rollout.server",
+        "--config",
+        config_path,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--owner",
+        owner,
+        "--batch-wait-ms",
+        str(batch_wait_ms),
+        "--parent-pid",
+        str(os.getpid()),
+        *extra,
+    ]
 
 
-def spawn_miles_servers(cfg, num: int, *, device: str = "", batch_wait_ms: float = 5.0, log_dir: str = "") -> list[ServerProcess]:
+def spawn_miles_servers(
+    cfg, num: int, *, device: str = "", batch_wait_ms: float = 5.0, log_dir: str = ""
+) -> list[ServerProcess]:
     """``num`` ``miles serve`` processes for ``cfg`` (a RunConfig), booted in parallel, all answering /health."""
     d = cfg.to_dict()
     if device:
@@ -154,8 +192,14 @@ def spawn_miles_servers(cfg, num: int, *, device: str = "", batch_wait_ms: float
     with os.fdopen(fd, "w") as f:
         json.dump(d, f)
     env = {"OMP_NUM_THREADS": str(cfg.num_threads)} if cfg.num_threads else {}
-    procs = [ServerProcess(miles_serve_argv(path, owner=f"engine/{i}", batch_wait_ms=batch_wait_ms), env=env,
-                           log_path=os.path.join(log_dir, f"engine_{i}.log") if log_dir else "") for i in range(num)]
+    procs = [
+        ServerProcess(
+            miles_serve_argv(path, owner=f"engine/{i}", batch_wait_ms=batch_wait_ms),
+            env=env,
+            log_path=os.path.join(log_dir, f"engine_{i}.log") if log_dir else "",
+        )
+        for i in range(num)
+    ]
     try:
         for p in procs:
             p.launch()

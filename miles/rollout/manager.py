@@ -47,10 +47,19 @@ class RolloutManager(UpdateCalls):
             self.engines = spawn_http_engines(cfg, device, self.ledger)
         else:
             self.engines = [
-                EmbeddedEngine(cfg.model, max_batch_size=r.max_batch_size, max_seq_len=r.max_seq_len, device=device,
-                               seed=cfg.seed, ledger=self.ledger, owner=f"engine/{i}", weights_policy=policy,
-                               logprob_chunk_size=cfg.trainer.logprob_chunk_size)
-                for i in range(r.num_engines)]
+                EmbeddedEngine(
+                    cfg.model,
+                    max_batch_size=r.max_batch_size,
+                    max_seq_len=r.max_seq_len,
+                    device=device,
+                    seed=cfg.seed,
+                    ledger=self.ledger,
+                    owner=f"engine/{i}",
+                    weights_policy=policy,
+                    logprob_chunk_size=cfg.trainer.logprob_chunk_size,
+                )
+                for i in range(r.num_engines)
+            ]
         self.last_samples: list[Sample] = []
 
     # ---- rollout ------------------------------------------------------------------------------------------
@@ -62,8 +71,11 @@ class RolloutManager(UpdateCalls):
             num_prompts, repeat = num_prompts * repeat, 1
         samples = []
         for g, prob in enumerate(self.task.problems(step, num_prompts)):
-            ids = (self.tokenizer.apply_chat_template([{"role": "user", "content": prob.prompt}]) if prob.chat
-                   else self.tokenizer.encode(prob.prompt, add_bos=True))
+            ids = (
+                self.tokenizer.apply_chat_template([{"role": "user", "content": prob.prompt}])
+                if prob.chat
+                else self.tokenizer.encode(prob.prompt, add_bos=True)
+            )
             for _ in range(repeat):
                 s = Sample(index=len(samples), group=g, prompt=prob.prompt, target=prob.target, prompt_ids=list(ids))
                 if with_targets:
@@ -73,15 +85,21 @@ class RolloutManager(UpdateCalls):
 
     @on_compute_thread
     def generate(self, step: int) -> tuple[list[TrainBatch], dict]:
-        if self.cfg.task.name == "swe":  # agent episodes: these engines behind session servers, a harness (miles.agents)
+        if (
+            self.cfg.task.name == "swe"
+        ):  # agent episodes: these engines behind session servers, a harness (miles.agents)
             from miles.agents.generator import generate_batches
 
             return generate_batches(self, step)
         t0 = time.perf_counter()
         r = self.cfg.rollout
         samples = self.make_samples(step)
-        sp = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
-                            stop_token_ids=self.tokenizer.stop_token_ids)
+        sp = SamplingParams(
+            max_new_tokens=r.max_new_tokens,
+            temperature=r.temperature,
+            top_p=r.top_p,
+            stop_token_ids=self.tokenizer.stop_token_ids,
+        )
         reqs = [GenerateRequest(rid=f"{step}-{s.index}", input_ids=s.prompt_ids, sampling=sp) for s in samples]
         outs = []
         per_engine = -(-len(reqs) // len(self.engines))
@@ -94,18 +112,27 @@ class RolloutManager(UpdateCalls):
             s.finish_reason, s.weight_version = o.finish_reason, o.weight_version
             s.response_text = self.tokenizer.decode([t for t in o.output_ids if t not in stop])
             s.reward = self.task.score(s.prompt, s.response_text, s.target)
-        for s, a in zip(samples, group_advantages([s.reward for s in samples], [s.group for s in samples],
-                                                  normalize_std=r.normalize_advantages_std)):
+        for s, a in zip(
+            samples,
+            group_advantages(
+                [s.reward for s in samples], [s.group for s in samples], normalize_std=r.normalize_advantages_std
+            ),
+        ):
             s.advantage = a
         self.last_samples = samples
         rewards = torch.tensor([s.reward for s in samples])
         resp_len = sum(len(s.response_ids) for s in samples)
-        metrics = {"reward": rewards.mean().item(), "reward_std": rewards.std().item() if len(samples) > 1 else 0.0,
-                   "exact": sum(s.reward == 1.0 for s in samples) / len(samples),
-                   "response_len": resp_len / len(samples), "rollout_tokens": resp_len,
-                   "total_tokens": resp_len + sum(len(s.prompt_ids) for s in samples),
-                   "time/generate": t_gen, "time/rollout": time.perf_counter() - t0,
-                   "weight_version": samples[0].weight_version}
+        metrics = {
+            "reward": rewards.mean().item(),
+            "reward_std": rewards.std().item() if len(samples) > 1 else 0.0,
+            "exact": sum(s.reward == 1.0 for s in samples) / len(samples),
+            "response_len": resp_len / len(samples),
+            "rollout_tokens": resp_len,
+            "total_tokens": resp_len + sum(len(s.prompt_ids) for s in samples),
+            "time/generate": t_gen,
+            "time/rollout": time.perf_counter() - t0,
+            "weight_version": samples[0].weight_version,
+        }
         pad = self.tokenizer.pad_token_id
         return [collate(part, pad) for part in shard(samples, self.cfg.trainer.world_size)], metrics
 
@@ -121,15 +148,25 @@ class RolloutManager(UpdateCalls):
         rows = []
         for s in self.last_samples:
             P = len(s.prompt_ids)
-            rows.append({
-                "index": s.index, "group": s.group, "reward": s.reward, "prompt_text": s.prompt,
-                "response_text": s.response_text, "target": s.target, "tokens": s.tokens,
-                "token_text": tok.token_text(s.tokens), "prompt_len": P,
-                "loss_mask": [0] * P + [1] * len(s.response_ids),
-                "rollout_log_probs": [0.0] * P + list(s.rollout_log_probs),
-                "train_log_probs": (train_log_probs or {}).get(s.index),
-                "advantages": [0.0] * P + [s.advantage] * len(s.response_ids),
-                "weight_version": s.weight_version, "finish_reason": s.finish_reason})
+            rows.append(
+                {
+                    "index": s.index,
+                    "group": s.group,
+                    "reward": s.reward,
+                    "prompt_text": s.prompt,
+                    "response_text": s.response_text,
+                    "target": s.target,
+                    "tokens": s.tokens,
+                    "token_text": tok.token_text(s.tokens),
+                    "prompt_len": P,
+                    "loss_mask": [0] * P + [1] * len(s.response_ids),
+                    "rollout_log_probs": [0.0] * P + list(s.rollout_log_probs),
+                    "train_log_probs": (train_log_probs or {}).get(s.index),
+                    "advantages": [0.0] * P + [s.advantage] * len(s.response_ids),
+                    "weight_version": s.weight_version,
+                    "finish_reason": s.finish_reason,
+                }
+            )
         return rows
 
     # ---- engine control (the handoff plan and weight sync call these) -------------------------------------
@@ -193,8 +230,12 @@ class RolloutManager(UpdateCalls):
         for e in self.engines:
             e.abort_weight_update()
 
-    def init_weights_update_group(self, master_address, master_port, rank_offset, world_size, group_name, backend="gloo"):
-        self.engines[0].init_weights_update_group(master_address, master_port, rank_offset, world_size, group_name, backend)
+    def init_weights_update_group(
+        self, master_address, master_port, rank_offset, world_size, group_name, backend="gloo"
+    ):
+        self.engines[0].init_weights_update_group(
+            master_address, master_port, rank_offset, world_size, group_name, backend
+        )
 
     def update_weights_from_distributed(self, names, dtypes, shapes, group_name, version=None) -> None:
         from miles.sync.receiver import receive_broadcast
@@ -202,8 +243,9 @@ class RolloutManager(UpdateCalls):
         if not hasattr(self.engines[0], "weight_receiver"):  # an HTTP engine: its server process is the group member
             self.engines[0].update_weights_from_distributed(names, dtypes, shapes, group_name, version)
             return
-        receive_broadcast(group_name, names, dtypes, shapes, [e.weight_receiver() for e in self.engines],
-                          self.engines[0].device)
+        receive_broadcast(
+            group_name, names, dtypes, shapes, [e.weight_receiver() for e in self.engines], self.engines[0].device
+        )
         if version is not None:
             self.set_weight_version(version)
 

@@ -31,13 +31,17 @@ class Router:
     router.close()
     """
 
-    def __init__(self, clients: list[SGLangClient], *, restart: Callable[[int], str] | None = None, max_failures: int = 3):
+    def __init__(
+        self, clients: list[SGLangClient], *, restart: Callable[[int], str] | None = None, max_failures: int = 3
+    ):
         self.clients = list(clients)
         self.restart, self.max_failures = restart, max_failures
         self.alive = [True] * len(clients)
         self.failures = [0] * len(clients)
         self.in_flight = [0] * len(clients)
-        self.released: set[str] = set()  # tags released on every engine; a recovered engine is brought to the same state
+        self.released: set[str] = (
+            set()
+        )  # tags released on every engine; a recovered engine is brought to the same state
         self.events: list[tuple[float, str, int]] = []  # (time, "dead" | "recovered", engine index)
         self._lock = threading.Lock()  # alive / failures / in_flight
         self._control = threading.RLock()  # control calls and recovery never interleave
@@ -57,8 +61,10 @@ class Router:
             cands = [i for i, a in enumerate(self.alive) if a and i not in exclude]
             if not cands:
                 dead = [i for i, a in enumerate(self.alive) if not a]
-                raise NoEngineAlive(f"no live engine to take the request (dead: {dead}, tried: {sorted(exclude)}); "
-                                    "check the engine logs")
+                raise NoEngineAlive(
+                    f"no live engine to take the request (dead: {dead}, tried: {sorted(exclude)}); "
+                    "check the engine logs"
+                )
             n = len(self.clients)
             i = min(cands, key=lambda c: (self.in_flight[c], (c - self._next) % n))
             self._next = (i + 1) % n
@@ -71,7 +77,9 @@ class Router:
             if self.alive[i] and self.failures[i] >= self.max_failures:
                 self.alive[i] = False
                 self.events.append((time.time(), "dead", i))
-                log.warning("engine %d (%s) marked dead after %d failures: %s", i, self.clients[i].url, self.failures[i], err)
+                log.warning(
+                    "engine %d (%s) marked dead after %d failures: %s", i, self.clients[i].url, self.failures[i], err
+                )
 
     def _succeeded(self, i: int) -> None:
         with self._lock:

@@ -58,8 +58,16 @@ from fastapi.responses import JSONResponse, Response
 from miles.memory.ledger import process_rss_bytes
 from miles.rollout.batcher import GenerateBatcher
 from miles.rollout.engine import ENGINE_TAGS, EmbeddedEngine, GenerateRequest, SamplingParams
-from miles.rollout.sglang_api import (FLATTENED_BUCKET, WireError, bucket_handle, decode_payload, named_tensors_of,
-                                     output_json, parse_generate, weight_manifest)
+from miles.rollout.sglang_api import (
+    FLATTENED_BUCKET,
+    WireError,
+    bucket_handle,
+    decode_payload,
+    named_tensors_of,
+    output_json,
+    parse_generate,
+    weight_manifest,
+)
 
 log = logging.getLogger("miles.serve")
 READY_PREFIX = "miles serve: listening on "
@@ -70,7 +78,9 @@ class Conflict(RuntimeError):
 
 
 def _error(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"success": False, "message": message, "error": {"message": message, "code": status}}, status_code=status)
+    return JSONResponse(
+        {"success": False, "message": message, "error": {"message": message, "code": status}}, status_code=status
+    )
 
 
 async def _body(request: Request) -> dict:
@@ -100,7 +110,7 @@ def _tags(body: dict) -> list[str]:
     if tags is None:
         return list(ENGINE_TAGS)
     if isinstance(tags, str) or not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
-        raise WireError(f"tags = {tags!r} must be a list of strings, e.g. [\"kv_cache\", \"weights\"]")
+        raise WireError(f'tags = {tags!r} must be a list of strings, e.g. ["kv_cache", "weights"]')
     bad = [t for t in tags if t not in ENGINE_TAGS]
     if bad:
         raise WireError(f"unknown memory tag(s) {bad}; valid tags: {list(ENGINE_TAGS)}")
@@ -145,8 +155,13 @@ class EngineServer:
         async def conflict(_, exc):
             return _error(409, str(exc))
 
-        for group in (self._serving_routes, self._control_routes, self._weight_routes, self._group_routes,
-                      self._inspection_routes):
+        for group in (
+            self._serving_routes,
+            self._control_routes,
+            self._weight_routes,
+            self._group_routes,
+            self._inspection_routes,
+        ):
             group(app, self.engine)
 
     def _serving_routes(self, app: FastAPI, e: EmbeddedEngine) -> None:
@@ -168,7 +183,11 @@ class EngineServer:
         async def health_generate():
             if e.memory.is_paused("weights") or e.memory.is_paused("kv_cache"):
                 return _error(503, "memory is released; resume_memory_occupation before generating")
-            req = GenerateRequest(rid=f"HEALTH_CHECK_{time.time_ns()}", input_ids=[0], sampling=SamplingParams(max_new_tokens=1, temperature=0))
+            req = GenerateRequest(
+                rid=f"HEALTH_CHECK_{time.time_ns()}",
+                input_ids=[0],
+                sampling=SamplingParams(max_new_tokens=1, temperature=0),
+            )
             await self.batcher.submit([req])
             return {"status": "ok"}
 
@@ -178,13 +197,24 @@ class EngineServer:
 
         @app.get("/get_server_info")
         async def server_info():
-            return {**self.info, "max_batch_size": e.max_batch_size, "max_seq_len": e.max_seq_len,
-                    "device": str(e.device), "batch_wait_ms": self.batch_wait_s * 1000, "pid": os.getpid()}
+            return {
+                **self.info,
+                "max_batch_size": e.max_batch_size,
+                "max_seq_len": e.max_seq_len,
+                "device": str(e.device),
+                "batch_wait_ms": self.batch_wait_s * 1000,
+                "pid": os.getpid(),
+            }
 
         @app.get("/get_load")
         async def load():
             b = self.batcher
-            return {"num_reqs": b.num_running + b.num_waiting, "num_running": b.num_running, "num_waiting": b.num_waiting, **b.stats}
+            return {
+                "num_reqs": b.num_running + b.num_waiting,
+                "num_running": b.num_running,
+                "num_waiting": b.num_waiting,
+                **b.stats,
+            }
 
         @app.get("/get_weight_version")
         async def weight_version():
@@ -199,7 +229,11 @@ class EngineServer:
             if body.get("abort_all_requests"):
                 self.batcher.abort(None)
             e.set_weight_version(_version(body.get("new_version"), "new_version") or 0)
-            return {"success": True, "message": f"weight version is {e.weight_version}", "new_version": e.weight_version}
+            return {
+                "success": True,
+                "message": f"weight version is {e.weight_version}",
+                "new_version": e.weight_version,
+            }
 
         @app.api_route("/flush_cache", methods=["GET", "POST"])
         async def flush_cache():
@@ -256,7 +290,10 @@ class EngineServer:
             if body.get("load_format") == FLATTENED_BUCKET:  # the engine opens it (and lands it in an open update)
                 for s in entries:
                     await asyncio.to_thread(_apply_bucket, e, bucket_handle(decode_payload(s)), version)
-                return {"success": True, "message": f"applied {len(entries)} bucket(s); weight version {e.weight_version}"}
+                return {
+                    "success": True,
+                    "message": f"applied {len(entries)} bucket(s); weight version {e.weight_version}",
+                }
             named = [p for s in entries for p in named_tensors_of(decode_payload(s), body.get("load_format"))]
             await asyncio.to_thread(e.update_weights_from_tensor, named, version)
             return {"success": True, "message": f"updated {len(named)} tensors; weight version {e.weight_version}"}
@@ -281,7 +318,11 @@ class EngineServer:
             if not os.path.isdir(path):
                 raise WireError(f"model_path {path!r} is not a directory on the server's machine")
             await asyncio.to_thread(e.update_weights_from_disk, path, _version(body.get("weight_version")))
-            return {"success": True, "message": f"loaded {path}; weight version {e.weight_version}", "num_paused_requests": 0}
+            return {
+                "success": True,
+                "message": f"loaded {path}; weight version {e.weight_version}",
+                "num_paused_requests": 0,
+            }
 
     def _group_routes(self, app: FastAPI, e: EmbeddedEngine) -> None:
         """Weight updates by torch.distributed broadcast: join a group, receive into it, leave it."""
@@ -292,25 +333,45 @@ class EngineServer:
             need = ("master_address", "master_port", "rank_offset", "world_size")
             if missing := [k for k in need if k not in body]:
                 raise WireError(f"/init_weights_update_group needs {list(need)}; missing {missing}")
-            await asyncio.to_thread(e.init_weights_update_group, str(body["master_address"]), int(body["master_port"]),
-                                    int(body["rank_offset"]), int(body["world_size"]),
-                                    body.get("group_name", "weight_update_group"), body.get("backend") or "gloo")
+            await asyncio.to_thread(
+                e.init_weights_update_group,
+                str(body["master_address"]),
+                int(body["master_port"]),
+                int(body["rank_offset"]),
+                int(body["world_size"]),
+                body.get("group_name", "weight_update_group"),
+                body.get("backend") or "gloo",
+            )
             return {"success": True, "message": "weights update group initialised"}
 
         @app.post("/update_weights_from_distributed")
         async def update_from_distributed(request: Request):
             body = await _body(request)
             names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
-            if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)
-                    and len(names) == len(dtypes) == len(shapes)):
-                raise WireError("/update_weights_from_distributed needs names, dtypes and shapes: lists of equal length")
-            await asyncio.to_thread(e.update_weights_from_distributed, names, dtypes, shapes,
-                                    body.get("group_name", "weight_update_group"), _version(body.get("weight_version")))
+            if not (
+                isinstance(names, list)
+                and isinstance(dtypes, list)
+                and isinstance(shapes, list)
+                and len(names) == len(dtypes) == len(shapes)
+            ):
+                raise WireError(
+                    "/update_weights_from_distributed needs names, dtypes and shapes: lists of equal length"
+                )
+            await asyncio.to_thread(
+                e.update_weights_from_distributed,
+                names,
+                dtypes,
+                shapes,
+                body.get("group_name", "weight_update_group"),
+                _version(body.get("weight_version")),
+            )
             return {"success": True, "message": f"received {len(names)} tensors; weight version {e.weight_version}"}
 
         @app.post("/destroy_weights_update_group")
         async def destroy_group(request: Request):
-            await asyncio.to_thread(e.destroy_weights_update_group, (await _body(request)).get("group_name", "weight_update_group"))
+            await asyncio.to_thread(
+                e.destroy_weights_update_group, (await _body(request)).get("group_name", "weight_update_group")
+            )
             return {"success": True, "message": "weights update group destroyed"}
 
     def _inspection_routes(self, app: FastAPI, e: EmbeddedEngine) -> None:
@@ -333,7 +394,9 @@ class EngineServer:
 
         @app.get("/miles/memory")
         async def memory():
-            tags = {t: {"resident_bytes": e.memory.resident_bytes(t), "paused": e.memory.is_paused(t)} for t in ENGINE_TAGS}
+            tags = {
+                t: {"resident_bytes": e.memory.resident_bytes(t), "paused": e.memory.is_paused(t)} for t in ENGINE_TAGS
+            }
             return {"tags": tags, "rss_bytes": process_rss_bytes()}
 
         @app.post("/miles/ledger")
@@ -344,15 +407,17 @@ class EngineServer:
 
     async def _memory(self, fn, tags: list[str]) -> dict:
         if self.paused_in_place and self.batcher.in_flight:
-            raise Conflict("generation is paused in place with requests in flight; /continue_generation or "
-                           "/abort_request them before releasing or resuming memory")
+            raise Conflict(
+                "generation is paused in place with requests in flight; /continue_generation or "
+                "/abort_request them before releasing or resuming memory"
+            )
         async with self.batcher.idle:
             n = await asyncio.to_thread(fn, tags)
         return {"success": True, "message": f"{fn.__name__} {tags}: {n} bytes", "bytes": n}
 
     def _weights(self) -> dict[str, torch.Tensor]:
         if self.engine.memory.is_paused("weights"):
-            raise Conflict("weights are released; /resume_memory_occupation {\"tags\": [\"weights\"]} first")
+            raise Conflict('weights are released; /resume_memory_occupation {"tags": ["weights"]} first')
         return self.engine.named_weights()
 
 
@@ -360,8 +425,10 @@ def _apply_bucket(engine, handle, version) -> None:
     try:
         engine.update_weights_from_bucket(handle, version)
     except (OSError, RuntimeError) as err:
-        raise WireError(f"bucket {handle.key} could not be opened ({err}); flattened buckets only work between "
-                        "processes of one machine") from None
+        raise WireError(
+            f"bucket {handle.key} could not be opened ({err}); flattened buckets only work between "
+            "processes of one machine"
+        ) from None
 
 
 def _asdict(x) -> dict:
@@ -372,9 +439,16 @@ def _asdict(x) -> dict:
 def build_engine(cfg, device: str, owner: str = "engine/0") -> EmbeddedEngine:
     """The engine a RolloutManager would build in-process for ``cfg`` (a RunConfig)."""
     r = cfg.rollout
-    return EmbeddedEngine(cfg.model, max_batch_size=r.max_batch_size, max_seq_len=r.max_seq_len, device=device,
-                          seed=cfg.seed, owner=owner, weights_policy="host" if cfg.handoff.engine_host_mirror else "discard",
-                          logprob_chunk_size=cfg.trainer.logprob_chunk_size)
+    return EmbeddedEngine(
+        cfg.model,
+        max_batch_size=r.max_batch_size,
+        max_seq_len=r.max_seq_len,
+        device=device,
+        seed=cfg.seed,
+        owner=owner,
+        weights_policy="host" if cfg.handoff.engine_host_mirror else "discard",
+        logprob_chunk_size=cfg.trainer.logprob_chunk_size,
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -385,7 +459,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000, help="0 picks a free port (printed on stdout)")
     p.add_argument("--owner", default="engine/0", help="owner name in the memory ledger")
-    p.add_argument("--batch-wait-ms", type=float, default=5.0, help="how long to collect concurrent requests into a batch")
+    p.add_argument(
+        "--batch-wait-ms", type=float, default=5.0, help="how long to collect concurrent requests into a batch"
+    )
     p.add_argument("--parent-pid", type=int, default=0, help="exit when this process is gone (set by spawners)")
     p.add_argument("--log-level", default="warning")
     return p

@@ -53,7 +53,9 @@ class SGLangClient:
         return f"SGLangClient({self.url!r}, flavor={self.flavor!r})"
 
     # ---- plumbing -----------------------------------------------------------------------------------------
-    def _request(self, method: str, path: str, body: dict | None = None, timeout_s: float | None = None) -> httpx.Response:
+    def _request(
+        self, method: str, path: str, body: dict | None = None, timeout_s: float | None = None
+    ) -> httpx.Response:
         try:
             r = self.http.request(method, path, json=body, timeout=timeout_s or self.timeout_s)
         except httpx.HTTPError as e:
@@ -91,7 +93,9 @@ class SGLangClient:
         client = self._aclients.get(id(loop))
         if client is None:
             limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
-            client = self._aclients[id(loop)] = httpx.AsyncClient(base_url=self.url, timeout=self.timeout_s, limits=limits)
+            client = self._aclients[id(loop)] = httpx.AsyncClient(
+                base_url=self.url, timeout=self.timeout_s, limits=limits
+            )
         try:
             r = await client.post("/generate", json=generate_body(requests, seed))
         except httpx.HTTPError as e:
@@ -133,7 +137,9 @@ class SGLangClient:
         return self._get("/miles/memory").json()
 
     # ---- weights ------------------------------------------------------------------------------------------
-    def update_weights_from_tensor(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> None:
+    def update_weights_from_tensor(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None
+    ) -> None:
         named = [(n, t.detach()) for n, t in named_tensors]
         if self.flavor == "sglang":
             payload, fmt = _sglang_serialize(named), None
@@ -174,18 +180,44 @@ class SGLangClient:
             body["weight_version"] = str(version)
         self._post("/update_weights_from_disk", body)
 
-    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
-                                  group_name: str = "weight_update_group", backend: str = "gloo") -> None:
+    def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = "weight_update_group",
+        backend: str = "gloo",
+    ) -> None:
         """Join a private torch.distributed group as rank ``rank_offset`` (blocks until every rank has joined)."""
-        self._post("/init_weights_update_group", {"master_address": master_address, "master_port": master_port,
-                                                  "rank_offset": rank_offset, "world_size": world_size,
-                                                  "group_name": group_name, "backend": backend})
+        self._post(
+            "/init_weights_update_group",
+            {
+                "master_address": master_address,
+                "master_port": master_port,
+                "rank_offset": rank_offset,
+                "world_size": world_size,
+                "group_name": group_name,
+                "backend": backend,
+            },
+        )
 
-    def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                                        group_name: str = "weight_update_group", version: int | None = None) -> None:
+    def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str = "weight_update_group",
+        version: int | None = None,
+    ) -> None:
         """Receive one flat bucket broadcast by rank 0 of the group; call while rank 0 broadcasts it."""
-        body = {"names": names, "dtypes": dtypes, "shapes": [list(s) for s in shapes], "group_name": group_name,
-                "flush_cache": False}
+        body = {
+            "names": names,
+            "dtypes": dtypes,
+            "shapes": [list(s) for s in shapes],
+            "group_name": group_name,
+            "flush_cache": False,
+        }
         if version is not None:
             body["weight_version"] = str(version)
         self._post("/update_weights_from_distributed", body)
@@ -202,8 +234,9 @@ class SGLangClient:
 
     def named_weights(self) -> dict[str, torch.Tensor]:
         if self.flavor == "sglang":
-            raise NotImplementedError("real SGLang returns only truncated tensors (/get_weights_by_name); "
-                                      "check_weights needs miles serve")
+            raise NotImplementedError(
+                "real SGLang returns only truncated tensors (/get_weights_by_name); check_weights needs miles serve"
+            )
         return torch.load(io.BytesIO(self._get("/miles/weights").content), weights_only=True)
 
     # ---- health -------------------------------------------------------------------------------------------
@@ -251,24 +284,52 @@ def sglang_available() -> bool:
     return True
 
 
-def sglang_argv(model_path: str, *, port: int, host: str = "127.0.0.1", mem_fraction_static: float = 0.5,
-                extra: list[str] = ()) -> list[str]:
+def sglang_argv(
+    model_path: str, *, port: int, host: str = "127.0.0.1", mem_fraction_static: float = 0.5, extra: list[str] = ()
+) -> list[str]:
     """``python -m sglang.launch_server`` for RL rollouts: colocated memory (release/resume by tag needs
     --enable-memory-saver), weight sync by tensor, our own sampling seeds."""
-    return [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path, "--host", host, "--port", str(port),
-            "--mem-fraction-static", str(mem_fraction_static), "--enable-memory-saver", "--skip-server-warmup", *extra]
+    return [
+        sys.executable,
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        model_path,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--mem-fraction-static",
+        str(mem_fraction_static),
+        "--enable-memory-saver",
+        "--skip-server-warmup",
+        *extra,
+    ]
 
 
-def launch_sglang(model_path: str, *, port: int = 0, ledger=None, extra: list[str] = (), log_path: str = "",
-                  ready_timeout_s: float = 600.0) -> SGLangClient:
+def launch_sglang(
+    model_path: str,
+    *,
+    port: int = 0,
+    ledger=None,
+    extra: list[str] = (),
+    log_path: str = "",
+    ready_timeout_s: float = 600.0,
+) -> SGLangClient:
     """Start a real SGLang server for ``model_path`` (a HF checkpoint directory) and return a client that owns it."""
     if not sglang_available():
-        raise ImportError("real SGLang is not installed (it needs a CUDA build): pip install 'miles[sglang]'; "
-                          "on CPU use rollout.engine=http, which serves the embedded engine with `miles serve`")
+        raise ImportError(
+            "real SGLang is not installed (it needs a CUDA build): pip install 'miles[sglang]'; "
+            "on CPU use rollout.engine=http, which serves the embedded engine with `miles serve`"
+        )
     from miles.rollout.launch import ServerProcess, free_port
 
     port = port or free_port()
-    proc = ServerProcess(sglang_argv(model_path, port=port, extra=list(extra)), url=f"http://127.0.0.1:{port}",
-                         ready_timeout_s=ready_timeout_s, log_path=log_path)
+    proc = ServerProcess(
+        sglang_argv(model_path, port=port, extra=list(extra)),
+        url=f"http://127.0.0.1:{port}",
+        ready_timeout_s=ready_timeout_s,
+        log_path=log_path,
+    )
     proc.start()
     return SGLangClient(proc.url, flavor="sglang", ledger=ledger, process=proc)

@@ -30,13 +30,21 @@ def generate_body(requests: list[GenerateRequest], seed: int | None = None) -> d
     params = []
     for r in requests:
         s = r.sampling
-        p = {"max_new_tokens": s.max_new_tokens, "temperature": s.temperature, "top_p": s.top_p,
-             "stop_token_ids": list(s.stop_token_ids)}
+        p = {
+            "max_new_tokens": s.max_new_tokens,
+            "temperature": s.temperature,
+            "top_p": s.top_p,
+            "stop_token_ids": list(s.stop_token_ids),
+        }
         if seed is not None:
             p["sampling_seed"] = seed
         params.append(p)
-    return {"input_ids": [list(r.input_ids) for r in requests], "rid": [r.rid for r in requests],
-            "sampling_params": params, "return_logprob": True}
+    return {
+        "input_ids": [list(r.input_ids) for r in requests],
+        "rid": [r.rid for r in requests],
+        "sampling_params": params,
+        "return_logprob": True,
+    }
 
 
 def parse_generate(body: Any) -> tuple[list[GenerateRequest], int | None, bool]:
@@ -60,10 +68,13 @@ def parse_generate(body: Any) -> tuple[list[GenerateRequest], int | None, bool]:
             raise WireError(f"input_ids[{i}] must be a list of integers, got {str(one)[:60]}")
         sampling, seed = _sampling(sp, i)
         seeds.add(seed)
-        requests.append(GenerateRequest(rid=str(rid) if rid is not None else uuid.uuid4().hex, input_ids=one,
-                                        sampling=sampling))
+        requests.append(
+            GenerateRequest(rid=str(rid) if rid is not None else uuid.uuid4().hex, input_ids=one, sampling=sampling)
+        )
     if len(seeds) > 1:
-        raise WireError(f"sampling_params.sampling_seed differs within one request ({sorted(seeds, key=str)}); use one seed per call")
+        raise WireError(
+            f"sampling_params.sampling_seed differs within one request ({sorted(seeds, key=str)}); use one seed per call"
+        )
     return requests, seeds.pop(), is_batch
 
 
@@ -108,8 +119,14 @@ def output_json(o: GenerateOutput, prompt_len: int, return_logprob: bool) -> dic
         reason = {"type": "length", "length": len(o.output_ids)}
     else:
         reason = {"type": "abort", "message": "aborted by /abort_request or pause_generation(mode='abort')"}
-    meta = {"id": o.rid, "finish_reason": reason, "prompt_tokens": prompt_len, "completion_tokens": len(o.output_ids),
-            "cached_tokens": 0, "weight_version": o.weight_version}
+    meta = {
+        "id": o.rid,
+        "finish_reason": reason,
+        "prompt_tokens": prompt_len,
+        "completion_tokens": len(o.output_ids),
+        "cached_tokens": 0,
+        "weight_version": o.weight_version,
+    }
     if return_logprob:
         meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(o.output_log_probs, o.output_ids)]
     return {"text": "", "output_ids": o.output_ids, "meta_info": meta}
@@ -124,9 +141,13 @@ def parse_output(d: dict) -> GenerateOutput:
     ids = d.get("output_ids")
     if ids is None:
         ids = [t for _, t, *_ in lps]
-    return GenerateOutput(rid=str(meta.get("id", "")), output_ids=list(ids), output_log_probs=[float(x[0]) for x in lps],
-                          finish_reason=kind if kind in ("stop", "length") else "abort",
-                          weight_version=as_version(meta.get("weight_version")))
+    return GenerateOutput(
+        rid=str(meta.get("id", "")),
+        output_ids=list(ids),
+        output_log_probs=[float(x[0]) for x in lps],
+        finish_reason=kind if kind in ("stop", "length") else "abort",
+        weight_version=as_version(meta.get("weight_version")),
+    )
 
 
 def as_version(v) -> int:
@@ -179,10 +200,14 @@ def weight_manifest(obj):
 def named_tensors_of(obj, load_format: str | None) -> list[tuple[str, torch.Tensor]]:
     """The (name, tensor) pairs of a decoded ``load_format = null`` payload."""
     if load_format not in (None, "direct"):
-        raise WireError(f"load_format = {load_format!r} is not supported; use null (named tensors) or {FLATTENED_BUCKET!r}")
+        raise WireError(
+            f"load_format = {load_format!r} is not supported; use null (named tensors) or {FLATTENED_BUCKET!r}"
+        )
     if isinstance(obj, dict):
         obj = list(obj.items())
-    if not isinstance(obj, list) or not all(isinstance(p, (tuple, list)) and len(p) == 2 and isinstance(p[0], str)
-                                            and isinstance(p[1], torch.Tensor) for p in obj):
+    if not isinstance(obj, list) or not all(
+        isinstance(p, (tuple, list)) and len(p) == 2 and isinstance(p[0], str) and isinstance(p[1], torch.Tensor)
+        for p in obj
+    ):
         raise WireError("serialized_named_tensors must decode to a list of (name, tensor) pairs")
     return [(n, t) for n, t in obj]

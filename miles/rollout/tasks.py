@@ -71,7 +71,7 @@ class Task:
     def make(self, rng: random.Random) -> Problem:
         c = self.cfg
         if c.name == "add":
-            a, b = rng.randrange(10 ** c.max_len), rng.randrange(10 ** c.max_len)
+            a, b = rng.randrange(10**c.max_len), rng.randrange(10**c.max_len)
             return Problem(f"{a}+{b}=", str(a + b))
         word = "".join(rng.choice(c.alphabet) for _ in range(rng.randint(c.min_len, c.max_len)))
         if c.name == "reverse":
@@ -81,7 +81,9 @@ class Task:
         if c.name == "copy":
             return Problem(f"copy {word}=", word)
         if c.name == "chat_reverse":
-            return Problem(f"Reverse the letters of '{word}'. Answer with the reversed letters only.", word[::-1], chat=True)
+            return Problem(
+                f"Reverse the letters of '{word}'. Answer with the reversed letters only.", word[::-1], chat=True
+            )
         raise ValueError(f"task.name = {c.name!r} has no generator here (agent tasks run in miles.agents)")
 
     def score(self, prompt: str, response: str, target: str) -> float:
@@ -90,15 +92,22 @@ class Task:
         except Exception as e:
             raise RewardError(
                 f"reward function {self.reward_name} raised {type(e).__name__}: {e} "
-                f"(prompt={prompt!r}, response={response[:80]!r}); fix the function or set task.reward to another") from e
+                f"(prompt={prompt!r}, response={response[:80]!r}); fix the function or set task.reward to another"
+            ) from e
         if r != r or r in (float("inf"), float("-inf")):
-            raise RewardError(f"reward function {self.reward_name} returned {r} for prompt={prompt!r}; rewards must be finite")
+            raise RewardError(
+                f"reward function {self.reward_name} returned {r} for prompt={prompt!r}; rewards must be finite"
+            )
         return r
 
 
 DEFAULT_REWARDS: dict[str, RewardFn] = {
-    "reverse": positional_credit, "sort": positional_credit, "copy": positional_credit,
-    "chat_reverse": positional_credit, "add": numeric_credit, "swe": exact_match,
+    "reverse": positional_credit,
+    "sort": positional_credit,
+    "copy": positional_credit,
+    "chat_reverse": positional_credit,
+    "add": numeric_credit,
+    "swe": exact_match,
 }
 
 

@@ -97,8 +97,10 @@ class WeightManifest:
 
     @staticmethod
     def of(named: list[tuple[str, torch.Tensor]], group_of: Callable[[str], str], staging: str) -> "WeightManifest":
-        return WeightManifest(tuple(WeightSpec(n, str(t.dtype).removeprefix("torch."), tuple(t.shape), group_of(n))
-                                    for n, t in named), staging)
+        return WeightManifest(
+            tuple(WeightSpec(n, str(t.dtype).removeprefix("torch."), tuple(t.shape), group_of(n)) for n, t in named),
+            staging,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,8 +185,13 @@ def fused_group(name: str) -> str:
 
 
 # ---- bucket planning -------------------------------------------------------------------------------------
-def plan_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
-                 group_of: Callable[[str], str] = fused_group, *, split: bool = False) -> Iterator[list[Piece]]:
+def plan_buckets(
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    bucket_bytes: int,
+    group_of: Callable[[str], str] = fused_group,
+    *,
+    split: bool = False,
+) -> Iterator[list[Piece]]:
     """Yield buckets (lists of pieces) whose aligned bytes fit in ``bucket_bytes``.
 
     Tensors with the same ``group_of(name)`` always travel together, in the order their group first appears.
@@ -209,8 +216,13 @@ def plan_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes
         if not split:
             if key not in _WARNED:
                 _WARNED.add(key)
-                log.warning("weight group %s (%d bytes) exceeds update_weight_buffer_size %d; sending it in a bucket of its "
-                            "own (the staging buffer grows to hold it)", key, size, bucket_bytes)
+                log.warning(
+                    "weight group %s (%d bytes) exceeds update_weight_buffer_size %d; sending it in a bucket of its "
+                    "own (the staging buffer grows to hold it)",
+                    key,
+                    size,
+                    bucket_bytes,
+                )
             yield [Piece(n, t, 0, _nbytes(t)) for n, t in members]
             continue
         for piece in _cut(members, bucket_bytes):
@@ -253,8 +265,12 @@ class SyncTimer:
         return now
 
     def metrics(self, prefix: str, total_s: float) -> dict[str, float]:
-        out = {f"{prefix}/bytes": self.nbytes, f"{prefix}/buckets": self.buckets, f"{prefix}/seconds": total_s,
-               f"{prefix}/gbps": self.nbytes / total_s / 1e9 if total_s else 0.0}
+        out = {
+            f"{prefix}/bytes": self.nbytes,
+            f"{prefix}/buckets": self.buckets,
+            f"{prefix}/seconds": total_s,
+            f"{prefix}/gbps": self.nbytes / total_s / 1e9 if total_s else 0.0,
+        }
         out.update({f"{prefix}/{k}_s": v for k, v in self.phases.items()})
         return out
 
@@ -286,8 +302,9 @@ class BucketSync:
         self._two_calls = [hasattr(e, "open_weight_update") for e in self.engines]  # miles.sync.receiver.UpdateCalls
         for e, ok in zip(self.engines, self._transactional):
             if not ok:
-                log.warning("engine %r has no begin_weight_update: a failure mid-sync can leave it with a mix of "
-                            "versions", e)
+                log.warning(
+                    "engine %r has no begin_weight_update: a failure mid-sync can leave it with a mix of versions", e
+                )
 
     def update(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         t0 = time.perf_counter()
@@ -312,8 +329,10 @@ class BucketSync:
         except Exception as e:
             self._abort()
             self._each("continue_generation", quiet=True)
-            raise SyncError(f"{self.name} weight update to version {version} failed ({type(e).__name__}: {e}); "
-                            "the engines aborted it and keep serving their previous version") from e
+            raise SyncError(
+                f"{self.name} weight update to version {version} failed ({type(e).__name__}: {e}); "
+                "the engines aborted it and keep serving their previous version"
+            ) from e
         self._metrics = timer.metrics("sync", time.perf_counter() - t0)
 
     def metrics(self) -> dict[str, float]:
@@ -351,11 +370,15 @@ class BucketSync:
         self._each("continue_generation", one_by_one=True)
         wait([submit(e, "commit_weight_update", version) for e, two in zip(self.engines, self._two_calls) if two])
 
-    def _each(self, method: str, *args, only_transactional: bool = False, quiet: bool = False,
-              one_by_one: bool = False) -> list:
+    def _each(
+        self, method: str, *args, only_transactional: bool = False, quiet: bool = False, one_by_one: bool = False
+    ) -> list:
         """``method`` on every engine (only those that take a whole sync's steps one by one, if asked)."""
-        engines = [e for e, ok, two in zip(self.engines, self._transactional, self._two_calls)
-                   if (ok or not only_transactional) and not (one_by_one and two)]
+        engines = [
+            e
+            for e, ok, two in zip(self.engines, self._transactional, self._two_calls)
+            if (ok or not only_transactional) and not (one_by_one and two)
+        ]
         try:
             return wait([submit(e, method, *args) for e in engines])
         except Exception:

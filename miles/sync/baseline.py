@@ -22,8 +22,7 @@ import torch
 
 from miles.atomic import atomic_write_bytes
 from miles.sync.delta_codec import CHECKSUMS, checksum
-from miles.sync.safetensors_dtypes import TORCH_DTYPE, HeaderEntry, Layout, check_layout, read_header, \
-    safetensors_dtype
+from miles.sync.safetensors_dtypes import TORCH_DTYPE, HeaderEntry, Layout, check_layout, read_header, safetensors_dtype
 from miles.sync.staging_pool import byte_view
 
 CHECKSUM_KEY = "miles.checksum."  # metadata key prefix; value "<format>:<hex digest>"
@@ -55,17 +54,21 @@ class Baseline:
         path = Path(path)
         files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
         if not files or not files[0].exists():
-            raise FileNotFoundError(f"no safetensors files at {path}; point the baseline at the checkpoint the "
-                                    f"engines loaded (a directory of *.safetensors or one file)")
+            raise FileNotFoundError(
+                f"no safetensors files at {path}; point the baseline at the checkpoint the "
+                f"engines loaded (a directory of *.safetensors or one file)"
+            )
         entries, checksums = {}, {}
         for file in files:
             file_entries, metadata, _ = read_header(file)
             for name, entry in file_entries.items():
                 if name in entries:
-                    raise ValueError(f"tensor {name!r} appears in both {entries[name].file} and {file}; "
-                                     f"a checkpoint must hold each name once")
+                    raise ValueError(
+                        f"tensor {name!r} appears in both {entries[name].file} and {file}; "
+                        f"a checkpoint must hold each name once"
+                    )
                 entries[name] = entry
-            checksums.update({k[len(CHECKSUM_KEY):]: v for k, v in metadata.items() if k.startswith(CHECKSUM_KEY)})
+            checksums.update({k[len(CHECKSUM_KEY) :]: v for k, v in metadata.items() if k.startswith(CHECKSUM_KEY)})
         return cls(entries, checksums, str(path))
 
     def names(self) -> list[str]:
@@ -83,7 +86,8 @@ class Baseline:
             raise MissingTensorError(
                 f"tensor {name!r}{emits} is not in the baseline {self.source} ({len(self.entries)} tensors"
                 f"{'; close names: ' + str(close) if close else ''}); every tensor the trainer emits must be in the "
-                f"baseline with the same layout: re-export the baseline from the trainer's weights") from None
+                f"baseline with the same layout: re-export the baseline from the trainer's weights"
+            ) from None
 
     def read_bytes(self, name: str, expected: Layout) -> np.ndarray:
         """The tensor's bytes (a fresh uint8 array) after checking its layout against ``expected`` and its
@@ -93,19 +97,22 @@ class Baseline:
             raise ValueError(
                 f"tensor {name!r}: the baseline {entry.file} stores dtype {entry.layout.dtype!r} "
                 f"{list(entry.layout.shape)} ({entry.layout.nbytes} bytes), which has no torch dtype here "
-                f"(supported: {sorted(TORCH_DTYPE)}); the trainer emits {expected}. Re-export the baseline.")
+                f"(supported: {sorted(TORCH_DTYPE)}); the trainer emits {expected}. Re-export the baseline."
+            )
         if entry.layout.expected_nbytes() != entry.layout.nbytes:
             raise ValueError(
                 f"tensor {name!r}: the baseline {entry.file} header says {entry.layout.dtype}"
                 f"{list(entry.layout.shape)} but its data_offsets span {entry.layout.nbytes} bytes "
                 f"({entry.layout.expected_nbytes()} expected): baseline {entry.layout}, the trainer emits {expected}. "
-                f"The header is inconsistent; re-export the baseline.")
+                f"The header is inconsistent; re-export the baseline."
+            )
         check_layout(name, entry.layout, expected, got_from=f"the baseline {entry.file}")
         data = np.fromfile(entry.file, dtype=np.uint8, count=entry.layout.nbytes, offset=entry.offset)
         if data.size != entry.layout.nbytes:
             raise ValueError(
                 f"tensor {name!r}: the baseline {entry.file} is truncated: {entry.layout} at byte {entry.offset} "
-                f"but only {data.size} bytes could be read (the trainer emits {expected}); copy the file again")
+                f"but only {data.size} bytes could be read (the trainer emits {expected}); copy the file again"
+            )
         self._verify(name, entry, data)
         return data
 
@@ -115,13 +122,15 @@ class Baseline:
             return
         fmt, _, digest = recorded.partition(":")
         if fmt not in CHECKSUMS:
-            raise ValueError(f"tensor {name!r}: the baseline {entry.file} records a {fmt!r} checksum; "
-                             f"supported: {sorted(CHECKSUMS)}")
+            raise ValueError(
+                f"tensor {name!r}: the baseline {entry.file} records a {fmt!r} checksum; supported: {sorted(CHECKSUMS)}"
+            )
         got = checksum(data, fmt)
         if got != digest:
             raise ValueError(
                 f"tensor {name!r}: checksum mismatch in the baseline {entry.file} ({entry.layout}): recorded "
-                f"{fmt} {digest}, bytes on disk hash to {got}; the file is corrupt, copy it again")
+                f"{fmt} {digest}, bytes on disk hash to {got}; the file is corrupt, copy it again"
+            )
 
     def read(self, name: str, *, expected_dtype: torch.dtype, expected_shape) -> torch.Tensor:
         """The tensor itself, validated against the trainer's dtype and shape."""
@@ -132,13 +141,16 @@ class Baseline:
         return torch.from_numpy(data).view(expected_dtype).reshape(shape)
 
 
-def save_baseline(named_tensors: dict[str, torch.Tensor], path: str | os.PathLike, *,
-                  checksum_format: str = "xxh3_128") -> Path:
+def save_baseline(
+    named_tensors: dict[str, torch.Tensor], path: str | os.PathLike, *, checksum_format: str = "xxh3_128"
+) -> Path:
     """Write a single-file safetensors baseline, atomically, with a checksum per tensor in its metadata."""
     # copies: exporting a storage to numpy (the checksum, the writer) marks it non-resizable for good, and a live
     # parameter's storage must stay resizable (TaggedMemory frees it at every offload)
     tensors = {name: t.detach().to("cpu", copy=True).contiguous() for name, t in named_tensors.items()}
-    metadata = {CHECKSUM_KEY + name: f"{checksum_format}:{checksum(byte_view(t).numpy(), checksum_format)}"
-                for name, t in tensors.items()}
+    metadata = {
+        CHECKSUM_KEY + name: f"{checksum_format}:{checksum(byte_view(t).numpy(), checksum_format)}"
+        for name, t in tensors.items()
+    }
     atomic_write_bytes(path, safetensors.torch.save(tensors, metadata=metadata))
     return Path(path)

@@ -34,7 +34,9 @@ class BroadcastSync(BucketSync):
 
     name = "broadcast"
 
-    def __init__(self, cfg: SyncConfig, device, *, is_source: bool = True, group_of=fused_group, timeout_s: float = 120.0):
+    def __init__(
+        self, cfg: SyncConfig, device, *, is_source: bool = True, group_of=fused_group, timeout_s: float = 120.0
+    ):
         super().__init__(cfg, device, is_source=is_source, group_of=group_of)
         self.backend = "nccl" if self.device.type == "cuda" else "gloo"
         self.group_name = f"miles-weights-{uuid.uuid4().hex[:8]}"
@@ -48,15 +50,21 @@ class BroadcastSync(BucketSync):
             return
         local = [e for e in self.engines if not is_actor(e)]
         if local:
-            raise ValueError(f"the broadcast transport sends to engines in other processes (Ray actors); {local[0]!r} "
-                             "lives in this process: use sync.transport='tensor' for it")
+            raise ValueError(
+                f"the broadcast transport sends to engines in other processes (Ray actors); {local[0]!r} "
+                "lives in this process: use sync.transport='tensor' for it"
+            )
         addr, port = _address(), _free_port()
         world = 1 + len(self.engines)
-        joins = [submit(e, "init_weights_update_group", addr, port, 1 + i, world, self.group_name, self.backend)
-                 for i, e in enumerate(self.engines)]
+        joins = [
+            submit(e, "init_weights_update_group", addr, port, 1 + i, world, self.group_name, self.backend)
+            for i, e in enumerate(self.engines)
+        ]
         self.group = make_group(addr, port, 0, world, self.group_name, self.backend, self.timeout_s)
         wait(joins)
-        log.info("broadcast group %s: %s at %s:%d, %d engines", self.group_name, self.backend, addr, port, len(self.engines))
+        log.info(
+            "broadcast group %s: %s at %s:%d, %d engines", self.group_name, self.backend, addr, port, len(self.engines)
+        )
 
     def _send(self, index: int, pieces: list[Piece], timer: SyncTimer) -> None:
         t = time.perf_counter()
@@ -70,8 +78,9 @@ class BroadcastSync(BucketSync):
         names = [p.name for p in pieces]
         dtypes = [str(p.tensor.dtype).removeprefix("torch.") for p in pieces]
         shapes = [tuple(p.tensor.shape) for p in pieces]
-        recvs = [submit(e, "update_weights_from_distributed", names, dtypes, shapes, self.group_name)
-                 for e in self.engines]
+        recvs = [
+            submit(e, "update_weights_from_distributed", names, dtypes, shapes, self.group_name) for e in self.engines
+        ]
         broadcast(self.group, buf[: max(total, 1)])
         t = timer.add("broadcast", t)
         wait(recvs)

@@ -13,8 +13,9 @@ class WeightMismatch(AssertionError):
     """Engine weights differ from the trainer's after a sync."""
 
 
-def weights_differ(trainer: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
-                   engine: Mapping[str, torch.Tensor]) -> list[str]:
+def weights_differ(
+    trainer: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], engine: Mapping[str, torch.Tensor]
+) -> list[str]:
     """Names whose engine tensor is missing or differs in dtype, shape or any byte (NaNs compare by bits)."""
     items = trainer.items() if isinstance(trainer, Mapping) else trainer
     bad = []
@@ -31,8 +32,10 @@ def check_weights(trainer, engine: Mapping[str, torch.Tensor], *, label: str = "
     """Raise WeightMismatch naming the tensors that differ (bit-equal comparison)."""
     bad = weights_differ(trainer, engine)
     if bad:
-        raise WeightMismatch(f"check_weights: {len(bad)} {label} tensors differ from the trainer's after sync, e.g. "
-                             f"{bad[:3]}; the transport lost or reordered bytes, or the engine applied a stale bucket")
+        raise WeightMismatch(
+            f"check_weights: {len(bad)} {label} tensors differ from the trainer's after sync, e.g. "
+            f"{bad[:3]}; the transport lost or reordered bytes, or the engine applied a stale bucket"
+        )
 
 
 def check_engines(trainer, engines: list, *, names: Iterable[str] | None = None) -> None:

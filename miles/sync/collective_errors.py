@@ -41,7 +41,11 @@ class CollectiveError(RuntimeError):
     def __init__(self, errors: list[RankError], world_size: int):
         self.errors, self.world_size = errors, world_size
         first = errors[0]
-        others = "" if len(errors) == 1 else f" ({len(errors)} of {world_size} ranks failed: ranks {[e.rank for e in errors]})"
+        others = (
+            ""
+            if len(errors) == 1
+            else f" ({len(errors)} of {world_size} ranks failed: ranks {[e.rank for e in errors]})"
+        )
         super().__init__(f"rank {first.rank} of {world_size} failed: {first.type}: {first.message}{others}")
 
     @property

@@ -56,8 +56,17 @@ class TensorEncoder:
     buffer), or into ``new`` itself when ``out`` is not given.
     """
 
-    def __init__(self, encoding: str, *, nbytes: int, itemsize: int, level: int = 1, threads: int = 0,
-                 checksum_format: str = "xxh3_128", compressor: zstandard.ZstdCompressor | None = None):
+    def __init__(
+        self,
+        encoding: str,
+        *,
+        nbytes: int,
+        itemsize: int,
+        level: int = 1,
+        threads: int = 0,
+        checksum_format: str = "xxh3_128",
+        compressor: zstandard.ZstdCompressor | None = None,
+    ):
         if encoding not in ENCODINGS:
             raise ValueError(f"encoding {encoding!r} is not one of {ENCODINGS}")
         if itemsize not in _UINT:
@@ -98,7 +107,7 @@ class TensorEncoder:
         # Only 8-byte words that changed are XORed and kept: no full-size XOR pass, and zstd sees a short array.
         if new.size % 8:  # the tensor's last partial word, zero-padded on both sides
             pad_new, pad_old = np.zeros(new.size // 8 * 8 + 8, np.uint8), np.zeros(new.size // 8 * 8 + 8, np.uint8)
-            pad_new[:new.size], pad_old[:old.size] = new, old
+            pad_new[: new.size], pad_old[: old.size] = new, old
             new, old = pad_new, pad_old
         new_w, old_w = new.view(np.uint64), old.view(np.uint64)
         mask = new_w != old_w
@@ -115,12 +124,12 @@ class TensorEncoder:
         positions, words = np.concatenate(self._positions), np.concatenate(self._values)
         body = old.size // 8
         inside = positions < body
-        old[:body * 8].view(np.uint64)[positions[inside]] ^= words[inside]
+        old[: body * 8].view(np.uint64)[positions[inside]] ^= words[inside]
         if not inside.all():  # the zero-padded last partial word
             tail = np.zeros(8, np.uint8)
-            tail[:old.size - body * 8] = old[body * 8:]
+            tail[: old.size - body * 8] = old[body * 8 :]
             tail.view(np.uint64)[0] ^= words[~inside][0]
-            old[body * 8:] = tail[:old.size - body * 8]
+            old[body * 8 :] = tail[: old.size - body * 8]
 
     def finish(self) -> tuple[bytes, str]:
         """Returns (zstd payload, hex checksum of the new bytes)."""
@@ -136,11 +145,15 @@ class TensorEncoder:
             # byte planes (all first bytes, then all second bytes, ...): ~20% smaller at the same speed, since
             # the XOR of a small bf16 change lives in the low mantissa bytes
             planes = np.ascontiguousarray(words.view(np.uint8).reshape(-1, 8).T)
-            return (np.array([len(bitmap)], np.uint64).tobytes() + bitmap + self._zstd.compress(planes),
-                    self._hash.hexdigest())
+            return (
+                np.array([len(bitmap)], np.uint64).tobytes() + bitmap + self._zstd.compress(planes),
+                self._hash.hexdigest(),
+            )
         positions = np.concatenate(self._positions) if self._positions else np.zeros(0, np.int64)
         values = np.concatenate(self._values) if self._values else np.zeros(0, _UINT[self.itemsize])
-        return self._zstd.compress(_pack_overwrite(positions, values, self.nbytes // self.itemsize)), self._hash.hexdigest()
+        return self._zstd.compress(
+            _pack_overwrite(positions, values, self.nbytes // self.itemsize)
+        ), self._hash.hexdigest()
 
 
 def _pack_overwrite(positions: np.ndarray, values: np.ndarray, numel: int) -> bytes:
@@ -154,8 +167,10 @@ def _pack_overwrite(positions: np.ndarray, values: np.ndarray, numel: int) -> by
 def _unpack_overwrite(raw: bytes, itemsize: int) -> tuple[np.ndarray, np.ndarray]:
     count, gap_size = (int(x) for x in np.frombuffer(raw, np.uint64, count=2))
     if gap_size not in (4, 8) or len(raw) != 16 + count * (gap_size + itemsize):
-        raise ValueError(f"overwrite payload is malformed: {count} positions of {gap_size} bytes and "
-                         f"{itemsize}-byte values do not add up to {len(raw)} bytes")
+        raise ValueError(
+            f"overwrite payload is malformed: {count} positions of {gap_size} bytes and "
+            f"{itemsize}-byte values do not add up to {len(raw)} bytes"
+        )
     gaps = np.frombuffer(raw, _UINT[gap_size], count=count, offset=16)
     values = np.frombuffer(raw, _UINT[itemsize], count=count, offset=16 + count * gap_size)
     return np.cumsum(gaps, dtype=np.uint64).astype(np.int64), values
@@ -173,22 +188,24 @@ def _apply_sparse(payload: bytes, old: np.ndarray) -> np.ndarray:
     if len(payload) < 8:
         raise ValueError(f"sparse_xor payload of {len(payload)} bytes is too short")
     bitmap_len = int(np.frombuffer(payload, np.uint64, count=1)[0])
-    mask_bytes = _decompress(payload[8:8 + bitmap_len], -(-num_words // 8) + 64)
+    mask_bytes = _decompress(payload[8 : 8 + bitmap_len], -(-num_words // 8) + 64)
     mask = np.unpackbits(np.frombuffer(mask_bytes, np.uint8), count=num_words).view(bool)
-    planes = np.frombuffer(_decompress(payload[8 + bitmap_len:], num_words * 8 + 64), np.uint8)
+    planes = np.frombuffer(_decompress(payload[8 + bitmap_len :], num_words * 8 + 64), np.uint8)
     if planes.size % 8:
         raise ValueError(f"sparse_xor payload is malformed: {planes.size} word bytes is not a multiple of 8")
     words = np.ascontiguousarray(planes.reshape(8, -1).T).view(np.uint64).reshape(-1)
     if len(mask_bytes) != -(-num_words // 8) or words.size != int(mask.sum()):
-        raise ValueError(f"sparse_xor payload is malformed: {words.size} changed words for a bitmap of "
-                         f"{int(mask.sum())} set bits over {num_words} words")
+        raise ValueError(
+            f"sparse_xor payload is malformed: {words.size} changed words for a bitmap of "
+            f"{int(mask.sum())} set bits over {num_words} words"
+        )
     new = np.zeros(num_words * 8, np.uint8)
-    new[:old.nbytes] = old
+    new[: old.nbytes] = old
     changed = np.flatnonzero(mask)  # integer indexing is ~4x faster than boolean-mask assignment here
     new.view(np.uint64)[changed] ^= words
-    if new[old.nbytes:].any():
+    if new[old.nbytes :].any():
         raise ValueError("sparse_xor payload is malformed: it changes padding bytes past the end of the tensor")
-    return new[:old.nbytes]
+    return new[: old.nbytes]
 
 
 def apply_delta(encoding: str, payload: bytes, old: np.ndarray, itemsize: int) -> np.ndarray:

@@ -17,7 +17,6 @@ import json
 import os
 from pathlib import Path
 
-import numpy as np
 import torch
 from safetensors import safe_open
 
@@ -52,17 +51,25 @@ def read_index(root: str | os.PathLike, version: int) -> dict:
     try:
         index = json.loads(path.read_text())
     except FileNotFoundError:
-        raise VersionError(f"weight version {version} is not published under {root} (no {path}); "
-                           f"published versions: {published_versions(root)}") from None
+        raise VersionError(
+            f"weight version {version} is not published under {root} (no {path}); "
+            f"published versions: {published_versions(root)}"
+        ) from None
     except (UnicodeDecodeError, ValueError) as e:
         raise VersionError(f"{path} is corrupt ({e}); the version cannot be applied") from None
     if not isinstance(index, dict) or index.get("format") != FORMAT or index.get("version") != version:
-        raise VersionError(f"{path} is not a {FORMAT} index for version {version} "
-                           f"(format {index.get('format') if isinstance(index, dict) else None!r})")
-    missing = [k for k in ("base_version", "encoding", "compression", "checksum", "shards", "tensors") if k not in index]
+        raise VersionError(
+            f"{path} is not a {FORMAT} index for version {version} "
+            f"(format {index.get('format') if isinstance(index, dict) else None!r})"
+        )
+    missing = [
+        k for k in ("base_version", "encoding", "compression", "checksum", "shards", "tensors") if k not in index
+    ]
     if missing or index["compression"] != "zstd":
-        raise VersionError(f"{path} is incomplete or unsupported: missing {missing}, compression "
-                           f"{index.get('compression')!r} (supported: 'zstd')")
+        raise VersionError(
+            f"{path} is incomplete or unsupported: missing {missing}, compression "
+            f"{index.get('compression')!r} (supported: 'zstd')"
+        )
     return index
 
 
@@ -76,18 +83,28 @@ def _chain(root: Path, version: int, local_version: int | None) -> list[dict]:
     while indices[0]["base_version"] != local_version:
         base = indices[0]["base_version"]
         if base < local_version:
-            raise VersionError(f"the engine holds version {local_version}, which is not on the chain to version "
-                               f"{version} (it passes from {base} to {indices[0]['version']}); reload a full checkpoint")
+            raise VersionError(
+                f"the engine holds version {local_version}, which is not on the chain to version "
+                f"{version} (it passes from {base} to {indices[0]['version']}); reload a full checkpoint"
+            )
         try:
             indices.insert(0, read_index(root, base))
         except VersionError as e:
-            raise VersionError(f"the engine holds version {local_version}; reaching {version} needs version {base}: {e}. "
-                               f"Keep more versions (keep_versions) or reload a full checkpoint") from None
+            raise VersionError(
+                f"the engine holds version {local_version}; reaching {version} needs version {base}: {e}. "
+                f"Keep more versions (keep_versions) or reload a full checkpoint"
+            ) from None
     return indices
 
 
-def load_version(path: str | os.PathLike, version: int, local_copy: dict[str, torch.Tensor], *,
-                 local_version: int | None = None, changed_only: bool = False) -> dict[str, torch.Tensor]:
+def load_version(
+    path: str | os.PathLike,
+    version: int,
+    local_copy: dict[str, torch.Tensor],
+    *,
+    local_version: int | None = None,
+    changed_only: bool = False,
+) -> dict[str, torch.Tensor]:
     """Apply version ``version`` under the sync root ``path`` to the engine's ``local_copy`` and return the full
     new mapping (changed tensors are new tensors on the same device; unchanged ones are ``local_copy``'s own), or
     with ``changed_only`` just the changed tensors (what an engine needs to copy into its parameters).
@@ -110,8 +127,10 @@ def _apply(root: Path, index: dict, state: dict[str, torch.Tensor]) -> dict[str,
     for shard, nbytes in index["shards"].items():
         size = (vdir / shard).stat().st_size if (vdir / shard).exists() else None
         if size != nbytes:
-            raise VersionError(f"version {index['version']} is incomplete: shard {vdir / shard} has "
-                               f"{size if size is not None else 'no'} bytes, the index says {nbytes}")
+            raise VersionError(
+                f"version {index['version']} is incomplete: shard {vdir / shard} has "
+                f"{size if size is not None else 'no'} bytes, the index says {nbytes}"
+            )
     by_shard: dict[str, list[str]] = {}
     for name, info in index["tensors"].items():
         by_shard.setdefault(info["shard"], []).append(name)
@@ -130,8 +149,10 @@ def _apply_tensor(name: str, index: dict, handle, state: dict[str, torch.Tensor]
     info, version = index["tensors"][name], index["version"]
     layout = Layout(dtype=info["dtype"], shape=tuple(info["shape"]), nbytes=info["nbytes"])
     if name not in state:
-        raise MissingTensorError(f"tensor {name!r} ({layout}) of weight version {version} is not among the "
-                                 f"engine's {len(state)} tensors; the engine and trainer disagree on parameter names")
+        raise MissingTensorError(
+            f"tensor {name!r} ({layout}) of weight version {version} is not among the "
+            f"engine's {len(state)} tensors; the engine and trainer disagree on parameter names"
+        )
     local = state[name]
     check_layout(name, Layout.of(local), layout, got_from="the engine", expected_from=f"weight version {version}")
     try:
@@ -149,7 +170,8 @@ def _apply_tensor(name: str, index: dict, handle, state: dict[str, torch.Tensor]
         raise VersionError(
             f"version {version}: tensor {name!r} ({layout}) checksum mismatch after applying the {info['encoding']} "
             f"delta: the index says {info['checksum']}, the result hashes to {got}. Either the version is corrupt or "
-            f"the engine's copy is not at base version {index['base_version']}; the engine keeps its weights")
+            f"the engine's copy is not at base version {index['base_version']}; the engine keeps its weights"
+        )
     out = torch.from_numpy(data if data is not old else data.copy()).view(torch_dtype(layout.dtype))
     return out.reshape(layout.shape).to(local.device)
 

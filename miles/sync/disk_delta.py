@@ -34,13 +34,28 @@ from miles.sync.base import call, host_bytes
 from miles.sync.baseline import Baseline, MissingTensorError, save_baseline, trainer_layout
 from miles.sync.collective_errors import CollectiveError, HeldError, RankError, gather_or_raise, raise_together
 from miles.sync.delta_codec import CHECKSUMS, ENCODINGS, TensorEncoder, checksum
-from miles.sync.delta_version import (FORMAT, LATEST, VersionError, fsync_file, load_version, published_versions,
-                                      version_dir, write_index)
+from miles.sync.delta_version import (
+    FORMAT,
+    LATEST,
+    VersionError,
+    fsync_file,
+    load_version,
+    published_versions,
+    version_dir,
+    write_index,
+)
 from miles.sync.safetensors_dtypes import Layout, check_layout
 from miles.sync.staging_pool import StagingPool, byte_view
 
-__all__ = ["Baseline", "DiskDeltaConfig", "DiskDeltaSync", "MissingTensorError", "VersionError", "load_version",
-           "save_baseline"]
+__all__ = [
+    "Baseline",
+    "DiskDeltaConfig",
+    "DiskDeltaSync",
+    "MissingTensorError",
+    "VersionError",
+    "load_version",
+    "save_baseline",
+]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -71,8 +86,10 @@ class DiskDeltaConfig:
         if self.checksum not in CHECKSUMS:
             raise ValueError(f"disk_delta.checksum = {self.checksum!r} must be one of {sorted(CHECKSUMS)}")
         if not -7 <= self.zstd_level <= 22 or self.zstd_level == 0 or self.keep_versions < 0:
-            raise ValueError(f"disk_delta.zstd_level = {self.zstd_level} must be in [-7, -1] (fast) or [1, 22], and "
-                             f"keep_versions = {self.keep_versions} >= 0")
+            raise ValueError(
+                f"disk_delta.zstd_level = {self.zstd_level} must be in [-7, -1] (fast) or [1, 22], and "
+                f"keep_versions = {self.keep_versions} >= 0"
+            )
 
 
 @dataclass(slots=True)
@@ -135,9 +152,16 @@ class DiskDeltaSync:
         whole (``write_baseline``); later versions are deltas against it."""
         root = cfg.sync.disk_delta_dir or str(Path(cfg.run_dir) / "weights")
         baseline = cfg.model.checkpoint or str(Path(root) / "baseline.safetensors")
-        return cls(DiskDeltaConfig(root=root, baseline=baseline, write_baseline=not cfg.model.checkpoint,
-                                   check_weights=cfg.sync.check_weights,
-                                   partition="round_robin" if cfg.trainer.world_size > 1 else "emitted"), group=group)
+        return cls(
+            DiskDeltaConfig(
+                root=root,
+                baseline=baseline,
+                write_baseline=not cfg.model.checkpoint,
+                check_weights=cfg.sync.check_weights,
+                partition="round_robin" if cfg.trainer.world_size > 1 else "emitted",
+            ),
+            group=group,
+        )
 
     def connect(self, engines) -> None:
         self.engines = list(engines)
@@ -188,8 +212,10 @@ class DiskDeltaSync:
         step = _Step()
         with held:
             if version <= self.published_version:
-                raise ValueError(f"weight version {version} must be greater than the last published "
-                                 f"{self.published_version}; versions only move forward")
+                raise ValueError(
+                    f"weight version {version} must be greater than the last published "
+                    f"{self.published_version}; versions only move forward"
+                )
             if self._baseline is None:
                 self._baseline = Baseline.from_checkpoint(self.config.baseline)
         world = dist.get_world_size(self.group) if dist.is_available() and dist.is_initialized() else 1
@@ -211,14 +237,19 @@ class DiskDeltaSync:
             step.emitted[name] = (_key(layout), base.digest)
             return
         cfg = self.config
-        encoder = TensorEncoder(cfg.encoding, nbytes=layout.nbytes, itemsize=tensor.element_size(),
-                                checksum_format=cfg.checksum, compressor=self._compressor)
+        encoder = TensorEncoder(
+            cfg.encoding,
+            nbytes=layout.nbytes,
+            itemsize=tensor.element_size(),
+            checksum_format=cfg.checksum,
+            compressor=self._compressor,
+        )
         sparse = cfg.encoding == "sparse_xor"  # keeps only changed words: no full-size copy of the new bytes
         new_bytes = None if sparse else np.empty(layout.nbytes, np.uint8)
         for offset, chunk, scratch in self.pool.stage(tensor):
             if new_bytes is not None:
-                new_bytes[offset:offset + chunk.size] = chunk
-            encoder.feed(offset, chunk, base.data[offset:offset + chunk.size], out=scratch)
+                new_bytes[offset : offset + chunk.size] = chunk
+            encoder.feed(offset, chunk, base.data[offset : offset + chunk.size], out=scratch)
         payload, digest = encoder.finish()
         step.emitted[name] = (_key(layout), digest)
         if digest != base.digest:
@@ -243,22 +274,39 @@ class DiskDeltaSync:
         file = f"shard-{self.rank:05d}.safetensors"
         safetensors.numpy.save_file({n: np.frombuffer(e.payload, np.uint8) for n, e in mine.items()}, str(tmp / file))
         fsync_file(tmp / file)
-        tensors = {n: {"dtype": e.layout.dtype, "shape": list(e.layout.shape), "nbytes": e.layout.nbytes,
-                       "encoding": self.config.encoding, "checksum": e.digest, "payload_nbytes": len(e.payload),
-                       "shard": file} for n, e in mine.items()}
+        tensors = {
+            n: {
+                "dtype": e.layout.dtype,
+                "shape": list(e.layout.shape),
+                "nbytes": e.layout.nbytes,
+                "encoding": self.config.encoding,
+                "checksum": e.digest,
+                "payload_nbytes": len(e.payload),
+                "shard": file,
+            }
+            for n, e in mine.items()
+        }
         return {"file": file, "nbytes": (tmp / file).stat().st_size, "tensors": tensors}
 
     def _publish(self, tmp: Path, version: int, shards: list[dict]) -> None:
         final = version_dir(self.root, version)
         if final.exists():
-            raise FileExistsError(f"weight version {version} is already published at {final}; versions are "
-                                  f"immutable, use a new version number (or a fresh sync root)")
+            raise FileExistsError(
+                f"weight version {version} is already published at {final}; versions are "
+                f"immutable, use a new version number (or a fresh sync root)"
+            )
         tmp.mkdir(parents=True, exist_ok=True)
         cfg = self.config
-        index = {"format": FORMAT, "version": version, "base_version": self.published_version,
-                 "encoding": cfg.encoding, "compression": "zstd", "checksum": cfg.checksum,
-                 "shards": {s["file"]: s["nbytes"] for s in shards},
-                 "tensors": {n: info for s in shards for n, info in s["tensors"].items()}}
+        index = {
+            "format": FORMAT,
+            "version": version,
+            "base_version": self.published_version,
+            "encoding": cfg.encoding,
+            "compression": "zstd",
+            "checksum": cfg.checksum,
+            "shards": {s["file"]: s["nbytes"] for s in shards},
+            "tensors": {n: info for s in shards for n, info in s["tensors"].items()},
+        }
         write_index(tmp, index)
         fsync_dir(tmp)
         tmp.rename(final)
@@ -327,13 +375,16 @@ class DiskDeltaSync:
     def _record(self, version, step, gathered, shards, t0, t_encode, t_publish, t_end) -> None:
         wire = sum(s["nbytes"] for s in shards if s is not None)
         self._metrics = {
-            "disk_delta/version": version, "disk_delta/wire_bytes": wire,
+            "disk_delta/version": version,
+            "disk_delta/wire_bytes": wire,
             "disk_delta/raw_bytes": sum(g["raw_bytes"] for g in gathered),
             "disk_delta/num_tensors": len({n for g in gathered for n in g["emitted"]}),
             "disk_delta/num_changed": sum(len(s["tensors"]) for s in shards if s is not None),
             "disk_delta/rank_raw_bytes": step.raw_bytes,
-            "disk_delta/encode_s": t_encode - t0, "disk_delta/publish_s": t_publish - t_encode,
-            "disk_delta/engines_s": t_end - t_publish, "disk_delta/total_s": t_end - t0,
+            "disk_delta/encode_s": t_encode - t0,
+            "disk_delta/publish_s": t_publish - t_encode,
+            "disk_delta/engines_s": t_end - t_publish,
+            "disk_delta/total_s": t_end - t0,
         }
 
 
@@ -352,9 +403,11 @@ def _owners(emitted_by_rank: list[dict[str, tuple[tuple, str]]]) -> dict[str, in
                 continue
             r0, key0, digest0 = first[name]
             if (key0, digest0) != (key, digest):
-                message = (f"tensor {name!r} is emitted by rank {r0} as {Layout(*key0)} (checksum {digest0}) and by "
-                           f"rank {rank} as {Layout(*key)} (checksum {digest}); a name emitted by several ranks must "
-                           f"carry identical bytes: check that replicated parameters are synchronised")
+                message = (
+                    f"tensor {name!r} is emitted by rank {r0} as {Layout(*key0)} (checksum {digest0}) and by "
+                    f"rank {rank} as {Layout(*key)} (checksum {digest}); a name emitted by several ranks must "
+                    f"carry identical bytes: check that replicated parameters are synchronised"
+                )
                 raise CollectiveError([RankError(rank=rank, type="ValueError", message=message)], len(emitted_by_rank))
     return {name: rank for name, (rank, _, _) in first.items()}
 
@@ -365,7 +418,7 @@ def _maybe_call(engine, method: str, *args) -> None:
 
 
 def engine_weight_version(engine) -> int:
-    value = getattr(engine, "weight_version")
+    value = engine.weight_version
     if hasattr(value, "remote"):
         import ray
 
@@ -373,8 +426,9 @@ def engine_weight_version(engine) -> int:
     return value() if callable(value) else value
 
 
-def check_engine_weights(engine, expected: dict[str, str], version: int, checksum_format: str = "xxh3_128", *,
-                         label: str = "engine") -> None:
+def check_engine_weights(
+    engine, expected: dict[str, str], version: int, checksum_format: str = "xxh3_128", *, label: str = "engine"
+) -> None:
     """Raise unless the engine reports ``version`` and every tensor in ``expected`` (name -> checksum of the
     trainer's bytes) is bit-equal on the engine."""
     got_version = engine_weight_version(engine)
@@ -387,5 +441,7 @@ def check_engine_weights(engine, expected: dict[str, str], version: int, checksu
         engine_bytes = byte_view(weights[name]).cpu()  # held while host_bytes views it (in-process: a live param)
         got = checksum(host_bytes(engine_bytes), checksum_format)
         if got != digest:
-            raise RuntimeError(f"check_weights: {label} tensor {name!r} differs from the trainer's after version "
-                               f"{version} (checksum {got} vs {digest})")
+            raise RuntimeError(
+                f"check_weights: {label} tensor {name!r} differs from the trainer's after version "
+                f"{version} (checksum {got} vs {digest})"
+            )

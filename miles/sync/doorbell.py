@@ -105,7 +105,9 @@ class DoorbellClient:
             self._sock.connect(address)
         except OSError as e:
             self._sock.close()
-            raise DoorbellError(f"cannot reach the engine's doorbell at {address} ({e}); is the engine on this host?") from e
+            raise DoorbellError(
+                f"cannot reach the engine's doorbell at {address} ({e}); is the engine on this host?"
+            ) from e
 
     def send(self, key: str, version: int) -> None:
         if len(key) != 16:
@@ -113,7 +115,9 @@ class DoorbellClient:
         try:
             self._sock.sendall(_REQUEST.pack(key.encode(), version))
         except OSError as e:
-            raise DoorbellError(f"the engine's doorbell at {self.address} is gone ({e}): did the engine process die?") from e
+            raise DoorbellError(
+                f"the engine's doorbell at {self.address} is gone ({e}): did the engine process die?"
+            ) from e
 
     def answer(self, timeout_s: float | None) -> dict:
         self._sock.settimeout(timeout_s)
@@ -125,7 +129,9 @@ class DoorbellClient:
         except OSError as e:
             raise DoorbellError(f"the engine's doorbell at {self.address} failed ({e})") from e
         if body is None:
-            raise DoorbellError(f"the engine closed its doorbell at {self.address} mid-update: did the engine process die?")
+            raise DoorbellError(
+                f"the engine closed its doorbell at {self.address} mid-update: did the engine process die?"
+            )
         answer = json.loads(body)
         if not answer["ok"]:
             raise DoorbellError(f"the engine failed the update: {answer['error']}")

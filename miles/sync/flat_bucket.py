@@ -83,7 +83,9 @@ class StagingBuffers:
             buf[m.offset : m.offset + m.nbytes].copy_(src, non_blocking=True)
         if self.device.type == "cuda" or any(t.is_cuda for _, t in named):
             torch.cuda.synchronize()  # the receiver reads the bytes as soon as it gets the handle
-        return BucketHandle("cuda_ipc" if ipc else "shm", key, f"{os.getpid()}/{slot}", buf.numel(), tuple(metas), path, ipc)
+        return BucketHandle(
+            "cuda_ipc" if ipc else "shm", key, f"{os.getpid()}/{slot}", buf.numel(), tuple(metas), path, ipc
+        )
 
     def _release(self, slot: int) -> None:
         cur = self.slots.pop(slot, None)
@@ -109,7 +111,9 @@ class OpenedBuffers:
 
     def tensors(self, h: BucketHandle) -> list[tuple[str, torch.Tensor]]:
         buf = self.buffer(h)
-        return [(m.name, buf[m.offset : m.offset + m.nbytes].view(getattr(torch, m.dtype)).view(m.shape)) for m in h.metas]
+        return [
+            (m.name, buf[m.offset : m.offset + m.nbytes].view(getattr(torch, m.dtype)).view(m.shape)) for m in h.metas
+        ]
 
     def buffer(self, h: BucketHandle) -> torch.Tensor:
         """The sender's whole bucket as a flat uint8 tensor (opened once per sender buffer)."""
@@ -137,7 +141,9 @@ def alloc_exportable(nbytes: int, device: torch.device) -> torch.Tensor:
 @contextlib.contextmanager
 def expandable_segments_off():
     """Allocate from ordinary cudaMalloc segments inside the block, whatever PYTORCH_CUDA_ALLOC_CONF says."""
-    conf = (os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + "," + os.environ.get("PYTORCH_ALLOC_CONF", "")).replace(" ", "")
+    conf = (os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + "," + os.environ.get("PYTORCH_ALLOC_CONF", "")).replace(
+        " ", ""
+    )
     if "expandable_segments:True" not in conf:
         yield
         return

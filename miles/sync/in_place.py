@@ -65,8 +65,9 @@ def export(name: str, t: torch.Tensor) -> SharedTensor:
     changes; the tensor, its parameter and the optimizer keep their identity)."""
     t = t.detach()
     if not t.is_contiguous():
-        raise ValueError(f"in-place weight sync reads tensors as they are; {name} is not contiguous: use "
-                         "sync.source=bucket")
+        raise ValueError(
+            f"in-place weight sync reads tensors as they are; {name} is not contiguous: use sync.source=bucket"
+        )
     if t.is_cuda:
         from torch.multiprocessing.reductions import reduce_tensor
 
@@ -74,8 +75,19 @@ def export(name: str, t: torch.Tensor) -> SharedTensor:
     if t.device.type != "cpu":
         raise ValueError(f"in-place weight sync shares CUDA or CPU tensors; {name} is on {t.device}")
     manager, handle, size = t.untyped_storage()._share_filename_cpu_()
-    return SharedTensor(name, "shm", (manager, handle, size, t.storage_offset(), tuple(t.shape), tuple(t.stride()),
-                                      str(t.dtype).removeprefix("torch.")))
+    return SharedTensor(
+        name,
+        "shm",
+        (
+            manager,
+            handle,
+            size,
+            t.storage_offset(),
+            tuple(t.shape),
+            tuple(t.stride()),
+            str(t.dtype).removeprefix("torch."),
+        ),
+    )
 
 
 def storage_key(named: list[tuple[str, torch.Tensor]]) -> str:
@@ -91,8 +103,16 @@ class InPlaceSync:
 
     name = "tensor"
 
-    def __init__(self, cfg, device, *, is_source: bool = True, group_of=fused_group, doorbell: bool | None = None,
-                 timeout_s: float = 600.0):
+    def __init__(
+        self,
+        cfg,
+        device,
+        *,
+        is_source: bool = True,
+        group_of=fused_group,
+        doorbell: bool | None = None,
+        timeout_s: float = 600.0,
+    ):
         self.cfg, self.device, self.is_source, self.group_of = cfg, torch.device(device), is_source, group_of
         self.doorbell = self.device.type == "cuda" if doorbell is None else doorbell  # see miles.sync.doorbell
         self.timeout_s = timeout_s  # for an engine's answer to a doorbell
@@ -107,8 +127,10 @@ class InPlaceSync:
     def connect(self, engines: list) -> None:
         missing = [e for e in engines if not hasattr(e, "update_weights_in_place")]
         if missing:
-            raise ValueError(f"sync.source=in_place needs engines with update_weights_in_place (the embedded engine, the "
-                             f"RolloutManager); {missing[0]!r} has none: use sync.source=bucket")
+            raise ValueError(
+                f"sync.source=in_place needs engines with update_weights_in_place (the embedded engine, the "
+                f"RolloutManager); {missing[0]!r} has none: use sync.source=bucket"
+            )
         self._drop_bells()
         self.engines, self._opened_by = list(engines), set()
 
@@ -123,17 +145,27 @@ class InPlaceSync:
             if key != self._key:
                 if self._key and self._moved_last and not self._warned:
                     self._warned = True
-                    log.warning("the trainer's weight tensors moved again since the last sync: in-place sync reopens "
-                                "every handle each time (and the engine's old mappings hold the old memory until then); "
-                                "these weights are not resident at fixed addresses, use sync.source=bucket")
+                    log.warning(
+                        "the trainer's weight tensors moved again since the last sync: in-place sync reopens "
+                        "every handle each time (and the engine's old mappings hold the old memory until then); "
+                        "these weights are not resident at fixed addresses, use sync.source=bucket"
+                    )
                 self._moved_last = bool(self._key)
                 self._shared = tuple(export(n, t) for n, t in named)
                 self._nbytes = sum(t.nbytes for _, t in named)
                 self._key, self._opened_by = storage_key(named), set()  # CPU export moved the storages once
                 self.exports += 1
             known = SharedWeights(self._key, None, None, self.doorbell)
-            fresh = known if len(self._opened_by) == len(self.engines) else SharedWeights(
-                self._key, WeightManifest.of(named, self.group_of, self.cfg.engine_staging), self._shared, self.doorbell)
+            fresh = (
+                known
+                if len(self._opened_by) == len(self.engines)
+                else SharedWeights(
+                    self._key,
+                    WeightManifest.of(named, self.group_of, self.cfg.engine_staging),
+                    self._shared,
+                    self.doorbell,
+                )
+            )
             t = time.perf_counter()
             phases["export_s"] = t - t0
             if self.device.type == "cuda":
@@ -144,8 +176,10 @@ class InPlaceSync:
             for i in rung:
                 self._bells[i].send(self._key, version)
             called = [i for i in range(len(self.engines)) if i not in rung]
-            calls = [submit(self.engines[i], "update_weights_in_place", known if i in self._opened_by else fresh,
-                            version) for i in called]
+            calls = [
+                submit(self.engines[i], "update_weights_in_place", known if i in self._opened_by else fresh, version)
+                for i in called
+            ]
             inside = wait(calls) + [self._bells[i].answer(self.timeout_s) for i in rung]
             # the engines have copied (and synchronized): the trainer may write again
             phases["engine_s"] = time.perf_counter() - t
@@ -161,12 +195,20 @@ class InPlaceSync:
         except Exception as e:
             self._opened_by = set()  # an engine may have dropped its handles: send them again next time
             self._drop_bells()  # and ring no engine before it answered a call again
-            raise SyncError(f"in-place weight update to version {version} failed ({type(e).__name__}: {e}); the "
-                            "engines aborted it and keep serving their previous version") from e
+            raise SyncError(
+                f"in-place weight update to version {version} failed ({type(e).__name__}: {e}); the "
+                "engines aborted it and keep serving their previous version"
+            ) from e
         total = time.perf_counter() - t0
         nbytes = self._nbytes
-        self._metrics = {"sync/bytes": nbytes, "sync/buckets": 0, "sync/seconds": total, "sync/exports": self.exports,
-                         "sync/gbps": nbytes / total / 1e9 if total else 0.0, **{f"sync/{k}": v for k, v in phases.items()}}
+        self._metrics = {
+            "sync/bytes": nbytes,
+            "sync/buckets": 0,
+            "sync/seconds": total,
+            "sync/exports": self.exports,
+            "sync/gbps": nbytes / total / 1e9 if total else 0.0,
+            **{f"sync/{k}": v for k, v in phases.items()},
+        }
 
     def metrics(self) -> dict[str, float]:
         return dict(self._metrics)
@@ -203,8 +245,10 @@ class OpenedWeights:
             self.tensors = [(s.name, byte_view(open_shared(s))) for s in shared.tensors]  # flat bytes, made once
             self.key, self.manifest = shared.key, shared.manifest
         elif shared.key != self.key:
-            raise ReceiveError(f"in-place update for handles {shared.key} but this engine holds {self.key or 'none'}; "
-                               "the trainer must send the handles again (it does after a failed update)")
+            raise ReceiveError(
+                f"in-place update for handles {shared.key} but this engine holds {self.key or 'none'}; "
+                "the trainer must send the handles again (it does after a failed update)"
+            )
         return self.manifest, self.tensors
 
 

@@ -84,7 +84,9 @@ class RDTSync(BucketSync):
     name = "rdt"
     split = True
 
-    def __init__(self, cfg: SyncConfig, device, *, is_source: bool = True, group_of=fused_group, timeout_s: float = 120.0):
+    def __init__(
+        self, cfg: SyncConfig, device, *, is_source: bool = True, group_of=fused_group, timeout_s: float = 120.0
+    ):
         super().__init__(cfg, device, is_source=is_source, group_of=group_of)
         self.transport = resolve_transport(cfg.rdt_transport, self.device)
         self.timeout_s = timeout_s
@@ -95,8 +97,10 @@ class RDTSync(BucketSync):
         self.in_place = getattr(cfg, "source", "bucket") == "in_place"
         if self.in_place:
             if self.transport not in ("cuda_ipc", "gloo"):
-                raise ValueError(f"rdt with sync.source=in_place publishes the trainer's own tensors; over "
-                                 f"{self.transport!r} use sync.source=bucket (registered buckets), or rdt_transport=cuda_ipc")
+                raise ValueError(
+                    f"rdt with sync.source=in_place publishes the trainer's own tensors; over "
+                    f"{self.transport!r} use sync.source=bucket (registered buckets), or rdt_transport=cuda_ipc"
+                )
             self.split = False  # whole tensors, one round: nothing is staged, so no bucket bounds it
         self._round: list[torch.Tensor] = []
 
@@ -104,7 +108,6 @@ class RDTSync(BucketSync):
         super().connect(engines)
         if not self.is_source or not self.engines:
             return
-        import ray
 
         self.me = _current_actor()
         local = [e for e in self.engines if not is_actor(e)]
@@ -140,11 +143,16 @@ class RDTSync(BucketSync):
         """The round is the trainer's tensors themselves: over cuda_ipc the engines map them (torch keeps the
         mapping of a storage opened before, see receive_rdt) and copy once; over gloo they are sent as they are."""
         t = time.perf_counter()
-        bad = [f"{p.name} ({p.tensor.device}, contiguous={p.tensor.is_contiguous()})" for p in pieces
-               if not p.tensor.is_contiguous() or p.tensor.device.type != self.device.type]
+        bad = [
+            f"{p.name} ({p.tensor.device}, contiguous={p.tensor.is_contiguous()})"
+            for p in pieces
+            if not p.tensor.is_contiguous() or p.tensor.device.type != self.device.type
+        ]
         if bad:
-            raise ValueError(f"rdt in place sends the trainer's tensors as they are: contiguous, on {self.device.type}; "
-                             f"got {bad[:3]}: use sync.source=bucket")
+            raise ValueError(
+                f"rdt in place sends the trainer's tensors as they are: contiguous, on {self.device.type}; "
+                f"got {bad[:3]}: use sync.source=bucket"
+            )
         self._round = [p.tensor.detach() for p in pieces]
         metas = [PieceMeta(p.name, 0, p.nbytes) for p in pieces]
         if any(x.is_cuda for x in self._round):
@@ -188,8 +196,10 @@ def _current_actor():
     except RuntimeError:
         me = None
     if me is None:
-        raise RuntimeError("the rdt transport runs inside a Ray actor (the trainer's TrainActor): RDT objects are "
-                           "created by an actor task; use 'tensor' or 'broadcast' from a plain process")
+        raise RuntimeError(
+            "the rdt transport runs inside a Ray actor (the trainer's TrainActor): RDT objects are "
+            "created by an actor task; use 'tensor' or 'broadcast' from a plain process"
+        )
     return me
 
 
@@ -205,10 +215,12 @@ def _check_actor(me, timeout_s: float) -> None:
         try:
             ray.get(me.__ray_call__.options(**opts).remote(_ping), timeout=timeout_s)
         except (ray.exceptions.GetTimeoutError, ray.exceptions.RayError, ValueError) as e:
-            raise RuntimeError(f"the rdt transport needs the trainer actor created with max_concurrency >= 1 + "
-                               f"gpus_per_engine and enable_tensor_transport=True: a call {opts or 'in the default group'} "
-                               f"did not run while the actor was busy (Ray {ray.__version__}: {type(e).__name__}); see "
-                               "miles.sync.rdt.actor_options()") from None
+            raise RuntimeError(
+                f"the rdt transport needs the trainer actor created with max_concurrency >= 1 + "
+                f"gpus_per_engine and enable_tensor_transport=True: a call {opts or 'in the default group'} "
+                f"did not run while the actor was busy (Ray {ray.__version__}: {type(e).__name__}); see "
+                "miles.sync.rdt.actor_options()"
+            ) from None
     # A handle from get_runtime_context().current_actor does not carry the actor's enable_tensor_transport flag
     # (Ray 2.60 rebuilds it from the core worker without it), so .options(tensor_transport=...) on it would be
     # refused even on an actor created with the flag; the probe above showed transfers can run, so set it here.
@@ -226,9 +238,11 @@ def _collective_group(actors: list, transport: str):
     if existing:
         return existing[0], False
     if dist.is_available() and dist.is_initialized():
-        raise RuntimeError(f"rdt over {transport} needs a Ray collective group, which initialises torch.distributed's "
-                           "default group in every member; this trainer process already has one (world size "
-                           f"{dist.get_world_size()}). Use sync.rdt_transport=nixl / cuda_ipc, or sync.transport=broadcast")
+        raise RuntimeError(
+            f"rdt over {transport} needs a Ray collective group, which initialises torch.distributed's "
+            "default group in every member; this trainer process already has one (world size "
+            f"{dist.get_world_size()}). Use sync.rdt_transport=nixl / cuda_ipc, or sync.transport=broadcast"
+        )
     return create_collective_group(actors, backend=backend, name=f"miles-rdt-{uuid.uuid4().hex[:8]}"), True
 
 
@@ -246,5 +260,7 @@ def _probe_registration(bucket: torch.Tensor, transport: str) -> None:
         try:
             reduce_tensor(bucket)
         except RuntimeError as e:
-            raise RuntimeError(f"the {bucket.numel()}-byte rdt bucket cannot be exported through CUDA IPC ({e}); it must "
-                               "come from ordinary cudaMalloc memory (expandable_segments off)") from e
+            raise RuntimeError(
+                f"the {bucket.numel()}-byte rdt bucket cannot be exported through CUDA IPC ({e}); it must "
+                "come from ordinary cudaMalloc memory (expandable_segments off)"
+            ) from e

@@ -97,8 +97,10 @@ class WeightReceiver:
             if s is None:
                 raise ReceiveError(f"piece of {m.name!r}, which is not in this update's manifest")
             if m.start < 0 or m.start + m.nbytes > s.nbytes or data.numel() != m.nbytes:
-                raise ReceiveError(f"piece of {m.name} bytes [{m.start}, {m.start + m.nbytes}) does not fit its "
-                                   f"{s.nbytes} bytes (got {data.numel()} bytes)")
+                raise ReceiveError(
+                    f"piece of {m.name} bytes [{m.start}, {m.start + m.nbytes}) does not fit its "
+                    f"{s.nbytes} bytes (got {data.numel()} bytes)"
+                )
         with self._mutex:
             if self.manifest.staging == "shadow":
                 for m, data in items:
@@ -117,16 +119,20 @@ class WeightReceiver:
             if s is None:
                 raise ReceiveError(f"tensor {name!r} is not in this update's manifest")
             if self._received[name] or t.numel() * t.element_size() != s.nbytes:
-                raise ReceiveError(f"{name}: {t.numel() * t.element_size()} bytes for a tensor of {s.nbytes} bytes, "
-                                   f"{self._received[name]} of them already received")
+                raise ReceiveError(
+                    f"{name}: {t.numel() * t.element_size()} bytes for a tensor of {s.nbytes} bytes, "
+                    f"{self._received[name]} of them already received"
+                )
         whole = len(named) == len(self._specs) and len({n for n, _ in named}) == len(named)
         if self.manifest.staging == "direct" and not whole:  # groups may straddle calls: the general path
             return self.receive([(PieceMeta(n, 0, t.numel() * t.element_size()), byte_view(t)) for n, t in named])
         srcs = [byte_view(t) for _, t in named]
         with self._mutex:
             if self.manifest.staging == "shadow":
-                dsts = [torch.empty(src.numel(), dtype=torch.uint8, device=self.target(n).device)
-                        for (n, _), src in zip(named, srcs)]
+                dsts = [
+                    torch.empty(src.numel(), dtype=torch.uint8, device=self.target(n).device)
+                    for (n, _), src in zip(named, srcs)
+                ]
                 self._landing.update({n: d for (n, _), d in zip(named, dsts)})
                 _copy_all(dsts, srcs)
             else:
@@ -152,8 +158,10 @@ class WeightReceiver:
         missing = [n for n, s in self._specs.items() if self._received[n] != s.nbytes]
         if missing:
             self.abort()
-            raise ReceiveError(f"weight update incomplete at commit: {len(missing)} tensors missing bytes, e.g. "
-                               f"{missing[:3]}; it was aborted and the engine keeps its previous weights")
+            raise ReceiveError(
+                f"weight update incomplete at commit: {len(missing)} tensors missing bytes, e.g. "
+                f"{missing[:3]}; it was aborted and the engine keeps its previous weights"
+            )
         if self.manifest.staging == "shadow":
             with self.lock, torch.no_grad():
                 for name, shadow in self._landing.items():
@@ -163,9 +171,11 @@ class WeightReceiver:
 
     def abort(self) -> None:
         if self.is_open and self.manifest.staging == "direct" and self._written_groups:
-            log.warning("direct weight update aborted after %d groups were written: the engine holds a mix of "
-                        "versions until the next complete update (use sync.engine_staging='shadow' to avoid this)",
-                        len(self._written_groups))
+            log.warning(
+                "direct weight update aborted after %d groups were written: the engine holds a mix of "
+                "versions until the next complete update (use sync.engine_staging='shadow' to avoid this)",
+                len(self._written_groups),
+            )
         self._close()
 
     # ---- internals ------------------------------------------------------------------------------------------
@@ -181,8 +191,11 @@ class WeightReceiver:
         after = dict(self._received)
         for m, _ in items:
             after[m.name] += m.nbytes
-        done = {self._specs[m.name].group for m, _ in items
-                if all(after[n] == self._specs[n].nbytes for n in self._members[self._specs[m.name].group])}
+        done = {
+            self._specs[m.name].group
+            for m, _ in items
+            if all(after[n] == self._specs[n].nbytes for n in self._members[self._specs[m.name].group])
+        }
         whole_here = {g for g in done if all(self._received[n] == 0 for n in self._members[g])}
         with self.lock, torch.no_grad():
             for m, data in items:
@@ -247,8 +260,15 @@ _GROUPS: dict[str, "WeightGroup"] = {}
 _RECV_BUFFERS: dict[str, torch.Tensor] = {}
 
 
-def make_group(master_address: str, master_port: int, rank: int, world_size: int, group_name: str,
-               backend: str, timeout_s: float = 300.0):
+def make_group(
+    master_address: str,
+    master_port: int,
+    rank: int,
+    world_size: int,
+    group_name: str,
+    backend: str,
+    timeout_s: float = 300.0,
+):
     """A torch.distributed process group of its own (TCPStore rendezvous), independent of any default group.
 
     It does not touch ``torch.distributed``'s default group, so a trainer already in an FSDP world and an
@@ -263,7 +283,11 @@ def make_group(master_address: str, master_port: int, rank: int, world_size: int
     if backend == "gloo":
         opts = dist.ProcessGroupGloo._Options()
         opts._timeout = timeout
-        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=master_address if rank == 0 else _local_address(master_address))]
+        opts._devices = [
+            dist.ProcessGroupGloo.create_device(
+                hostname=master_address if rank == 0 else _local_address(master_address)
+            )
+        ]
         pg = dist.ProcessGroupGloo(prefixed, rank, world_size, opts)
     elif backend == "nccl":
         opts = dist.ProcessGroupNCCL.Options()
@@ -307,12 +331,21 @@ def broadcast(group: WeightGroup, tensor: torch.Tensor, root: int = 0) -> None:
         torch.cuda.current_stream().synchronize()
 
 
-def join_group(master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str,
-               backend: str = "gloo", timeout_s: float = 300.0) -> None:
+def join_group(
+    master_address: str,
+    master_port: int,
+    rank_offset: int,
+    world_size: int,
+    group_name: str,
+    backend: str = "gloo",
+    timeout_s: float = 300.0,
+) -> None:
     """Engine-process side of ``init_weights_update_group`` (this process is rank ``rank_offset``)."""
     if group_name in _GROUPS:
         return
-    _GROUPS[group_name] = make_group(master_address, master_port, rank_offset, world_size, group_name, backend, timeout_s)
+    _GROUPS[group_name] = make_group(
+        master_address, master_port, rank_offset, world_size, group_name, backend, timeout_s
+    )
 
 
 def leave_group(group_name: str) -> None:
@@ -320,12 +353,20 @@ def leave_group(group_name: str) -> None:
     _RECV_BUFFERS.pop(group_name, None)
 
 
-def receive_broadcast(group_name: str, names: list[str], dtypes: list[str], shapes: list[tuple[int, ...]],
-                      receivers: list[WeightReceiver], device) -> None:
+def receive_broadcast(
+    group_name: str,
+    names: list[str],
+    dtypes: list[str],
+    shapes: list[tuple[int, ...]],
+    receivers: list[WeightReceiver],
+    device,
+) -> None:
     """Receive one flat bucket broadcast by rank 0 and land its tensors in every receiver."""
     pg = _GROUPS.get(group_name)
     if pg is None:
-        raise ReceiveError(f"no weight update group {group_name!r} in this process; call init_weights_update_group first")
+        raise ReceiveError(
+            f"no weight update group {group_name!r} in this process; call init_weights_update_group first"
+        )
     sizes = [WeightSpec(n, d, tuple(s), n).nbytes for n, d, s in zip(names, dtypes, shapes)]
     metas, off = [], 0
     for n, size in zip(names, sizes):
@@ -356,12 +397,15 @@ def receive_rdt(tensors: list[torch.Tensor], pieces: list[PieceMeta], receivers:
     trainer's memory, and holding them keeps torch's IPC mapping open for the next round and sync."""
     if len(tensors) == 1 and tensors[0].dtype == torch.uint8 and tensors[0].dim() == 1:
         receive_flat(tensors[0], pieces, receivers)
-    elif len(tensors) == len(pieces) and all(t.is_contiguous() and t.numel() * t.element_size() == m.nbytes
-                                             for t, m in zip(tensors, pieces)):
+    elif len(tensors) == len(pieces) and all(
+        t.is_contiguous() and t.numel() * t.element_size() == m.nbytes for t, m in zip(tensors, pieces)
+    ):
         items = [(m, byte_view(t)) for m, t in zip(pieces, tensors)]
         for r in receivers:
             r.receive(items)
     else:
-        raise ReceiveError(f"an RDT round is one flat uint8 bucket or one whole tensor per piece; got {len(tensors)} "
-                           f"tensors {[(t.dtype, tuple(t.shape)) for t in tensors[:3]]} for {len(pieces)} pieces")
+        raise ReceiveError(
+            f"an RDT round is one flat uint8 bucket or one whole tensor per piece; got {len(tensors)} "
+            f"tensors {[(t.dtype, tuple(t.shape)) for t in tensors[:3]]} for {len(pieces)} pieces"
+        )
     _LAST_RDT[:] = tensors

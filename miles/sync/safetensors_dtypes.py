@@ -19,11 +19,24 @@ import torch
 
 # safetensors name -> torch dtype; the FNUZ float8 variants and the unsigned types exist in recent torch only.
 _NAMES = {
-    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
-    "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8",
-    "U64": "uint64", "U32": "uint32", "U16": "uint16", "U8": "uint8", "BOOL": "bool", "C64": "complex64",
-    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
-    "F8_E4M3FNUZ": "float8_e4m3fnuz", "F8_E5M2FNUZ": "float8_e5m2fnuz",
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U64": "uint64",
+    "U32": "uint32",
+    "U16": "uint16",
+    "U8": "uint8",
+    "BOOL": "bool",
+    "C64": "complex64",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+    "F8_E4M3FNUZ": "float8_e4m3fnuz",
+    "F8_E5M2FNUZ": "float8_e5m2fnuz",
 }
 TORCH_DTYPE: dict[str, torch.dtype] = {k: getattr(torch, v) for k, v in _NAMES.items() if hasattr(torch, v)}
 SAFETENSORS_DTYPE: dict[torch.dtype, str] = {v: k for k, v in TORCH_DTYPE.items()}
@@ -39,7 +52,8 @@ def safetensors_dtype(dtype: torch.dtype) -> str:
     except KeyError:
         raise ValueError(
             f"{dtype} has no safetensors dtype; supported: {sorted(str(d) for d in SAFETENSORS_DTYPE)}; "
-            f"cast the tensor (e.g. complex128 -> complex64) before syncing") from None
+            f"cast the tensor (e.g. complex128 -> complex64) before syncing"
+        ) from None
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -47,7 +61,9 @@ def torch_dtype(name: str) -> torch.dtype:
     try:
         return TORCH_DTYPE[name]
     except KeyError:
-        raise ValueError(f"safetensors dtype {name!r} is not supported here; supported: {sorted(TORCH_DTYPE)}") from None
+        raise ValueError(
+            f"safetensors dtype {name!r} is not supported here; supported: {sorted(TORCH_DTYPE)}"
+        ) from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,8 +76,11 @@ class Layout:
 
     @classmethod
     def of(cls, tensor: torch.Tensor) -> "Layout":
-        return cls(dtype=safetensors_dtype(tensor.dtype), shape=tuple(tensor.shape),
-                   nbytes=tensor.numel() * tensor.element_size())
+        return cls(
+            dtype=safetensors_dtype(tensor.dtype),
+            shape=tuple(tensor.shape),
+            nbytes=tensor.numel() * tensor.element_size(),
+        )
 
     def expected_nbytes(self) -> int:
         return math.prod(self.shape) * torch_dtype(self.dtype).itemsize
@@ -70,13 +89,16 @@ class Layout:
         return f"{self.dtype}{list(self.shape)} ({self.nbytes} bytes)"
 
 
-def check_layout(name: str, got: Layout, expected: Layout, *, got_from: str, expected_from: str = "the trainer") -> None:
+def check_layout(
+    name: str, got: Layout, expected: Layout, *, got_from: str, expected_from: str = "the trainer"
+) -> None:
     """Raise a ValueError naming the tensor and both layouts unless ``got == expected``."""
     if got != expected:
         raise ValueError(
             f"tensor {name!r}: {got_from} has {got}, {expected_from} has {expected}; a byte-level delta "
             f"between different layouts corrupts weights. Re-export the baseline with the trainer's dtype and "
-            f"shapes (or cast the trainer's tensor to the baseline's dtype).")
+            f"shapes (or cast the trainer's tensor to the baseline's dtype)."
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,11 +120,15 @@ def read_header(path: str | os.PathLike) -> tuple[dict[str, HeaderEntry], dict[s
     with open(path, "rb") as f:
         head = f.read(8)
         if len(head) < 8:
-            raise ValueError(f"{path}: {size} bytes is too short for a safetensors file (needs an 8-byte header length)")
+            raise ValueError(
+                f"{path}: {size} bytes is too short for a safetensors file (needs an 8-byte header length)"
+            )
         (n,) = struct.unpack("<Q", head)
         if n > min(MAX_HEADER_BYTES, size - 8):
-            raise ValueError(f"{path}: corrupt header: header length {n} does not fit in a {size}-byte file; "
-                             f"re-export the checkpoint")
+            raise ValueError(
+                f"{path}: corrupt header: header length {n} does not fit in a {size}-byte file; "
+                f"re-export the checkpoint"
+            )
         raw = f.read(n)
     try:
         header = json.loads(raw)
@@ -121,5 +147,9 @@ def _entry(path: str, name: str, info, data_start: int) -> HeaderEntry:
         if not 0 <= begin <= end:
             raise ValueError(f"data_offsets [{begin}, {end}) are not an interval")
     except (KeyError, TypeError, ValueError) as e:
-        raise ValueError(f"{path}: corrupt header entry for tensor {name!r}: {info!r} ({e}); re-export the checkpoint") from None
-    return HeaderEntry(file=path, offset=data_start + begin, layout=Layout(dtype=dtype, shape=shape, nbytes=end - begin))
+        raise ValueError(
+            f"{path}: corrupt header entry for tensor {name!r}: {info!r} ({e}); re-export the checkpoint"
+        ) from None
+    return HeaderEntry(
+        file=path, offset=data_start + begin, layout=Layout(dtype=dtype, shape=shape, nbytes=end - begin)
+    )

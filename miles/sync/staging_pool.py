@@ -27,8 +27,10 @@ class StagingPool:
 
     def __init__(self, *, num_buffers: int = 2, buffer_bytes: int = 64 << 20, pin: bool | None = None):
         if num_buffers < 1 or buffer_bytes < 8 or buffer_bytes % 8:
-            raise ValueError(f"staging pool of {num_buffers} x {buffer_bytes} bytes: need >= 1 buffer of a "
-                             f"positive multiple of 8 bytes (chunk offsets must stay 8-byte aligned)")
+            raise ValueError(
+                f"staging pool of {num_buffers} x {buffer_bytes} bytes: need >= 1 buffer of a "
+                f"positive multiple of 8 bytes (chunk offsets must stay 8-byte aligned)"
+            )
         self.num_buffers, self.buffer_bytes = num_buffers, buffer_bytes
         self.pin = torch.cuda.is_available() if pin is None else pin
         self._free: list[torch.Tensor] = []
@@ -60,9 +62,9 @@ class StagingPool:
             for lo in range(0, src.numel(), self.buffer_bytes):
                 n = min(self.buffer_bytes, src.numel() - lo)
                 buf = self._acquire()
-                in_flight.append((lo, n, buf, None if on_device else host_bytes(src[lo:lo + n]), None))
+                in_flight.append((lo, n, buf, None if on_device else host_bytes(src[lo : lo + n]), None))
                 if on_device:
-                    buf[:n].copy_(src[lo:lo + n], non_blocking=self.pin)
+                    buf[:n].copy_(src[lo : lo + n], non_blocking=self.pin)
                     if src.device.type == "cuda":
                         event = torch.cuda.Event()
                         event.record()

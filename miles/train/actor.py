@@ -28,7 +28,9 @@ class TrainActor:
     """
 
     @init_on_compute_thread("train-compute")  # built and run on one thread: see miles/threads.py
-    def __init__(self, cfg: RunConfig, rank: int, world_size: int, master_addr: str = "127.0.0.1", master_port: int = 0):
+    def __init__(
+        self, cfg: RunConfig, rank: int, world_size: int, master_addr: str = "127.0.0.1", master_port: int = 0
+    ):
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
@@ -38,17 +40,30 @@ class TrainActor:
 
             if self.device == "cuda":
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) if torch.cuda.device_count() > 1 else 0)
-            dist.init_process_group("nccl" if self.device == "cuda" else "gloo",
-                                    init_method=f"tcp://{master_addr}:{master_port}", rank=rank, world_size=world_size)
+            dist.init_process_group(
+                "nccl" if self.device == "cuda" else "gloo",
+                init_method=f"tcp://{master_addr}:{master_port}",
+                rank=rank,
+                world_size=world_size,
+            )
         if cfg.trainer.backend == "megatron":
             from miles.train.megatron_backend import MegatronBackend as Backend  # noqa: N814 (GPU only)
         else:
             from miles.train.torch_backend import TorchBackend as Backend
         self.ledger = MemoryLedger()
         h = cfg.handoff
-        self.backend = Backend(cfg.model, cfg.trainer, rank=rank, world_size=world_size, device=self.device, seed=cfg.seed,
-                               temperature=cfg.rollout.temperature, ledger=self.ledger, offload_policy=h.offload_train,
-                               disk_dir=os.path.join(cfg.run_dir, "offload", f"rank{rank}"))
+        self.backend = Backend(
+            cfg.model,
+            cfg.trainer,
+            rank=rank,
+            world_size=world_size,
+            device=self.device,
+            seed=cfg.seed,
+            temperature=cfg.rollout.temperature,
+            ledger=self.ledger,
+            offload_policy=h.offload_train,
+            disk_dir=os.path.join(cfg.run_dir, "offload", f"rank{rank}"),
+        )
         self.sync = None
 
     def ready(self) -> bool:
@@ -105,7 +120,9 @@ class TrainActor:
         if self.rank == 0:
             from safetensors.torch import save_file
 
-            save_file({k: v.contiguous() for k, v in state["model"].items()}, str(Path(directory) / "model.safetensors"))
+            save_file(
+                {k: v.contiguous() for k, v in state["model"].items()}, str(Path(directory) / "model.safetensors")
+            )
             torch.save(state["optimizer"], Path(directory) / "optimizer.pt")
 
     def load_checkpoint(self, directory: str) -> None:
@@ -141,11 +158,15 @@ class TrainGroup:
             rdt = rdt_options(gpus_per_engine=1)  # an embedded engine holds one device
         concurrency = rdt.pop("max_concurrency", 1)  # the driver calls one method at a time (miles/threads.py)
         self.actors = [
-            cls.options(num_cpus=0.01, num_gpus=num_gpus_per_actor, **rdt,
-                        **actor_options(concurrency, {"LOCAL_RANK": str(r) if num_gpus_per_actor else "0"}),
-                        scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group, placement_group_bundle_index=r))
-            .remote(cfg, r, n, "127.0.0.1", port)
-            for r in range(n)]
+            cls.options(
+                num_cpus=0.01,
+                num_gpus=num_gpus_per_actor,
+                **rdt,
+                **actor_options(concurrency, {"LOCAL_RANK": str(r) if num_gpus_per_actor else "0"}),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group, placement_group_bundle_index=r),
+            ).remote(cfg, r, n, "127.0.0.1", port)
+            for r in range(n)
+        ]
         ray.get([a.ready.remote() for a in self.actors])
 
     def call(self, method: str, *args, **kwargs) -> list:

@@ -25,9 +25,16 @@ class TrainBatch:
 
     def split(self, n: int) -> list["TrainBatch"]:
         size = -(-len(self.sample_index) // n)
-        return [TrainBatch(self.tokens[i : i + size], self.loss_mask[i : i + size], self.rollout_log_probs[i : i + size],
-                           self.advantages[i : i + size], self.sample_index[i : i + size])
-                for i in range(0, len(self.sample_index), size)]
+        return [
+            TrainBatch(
+                self.tokens[i : i + size],
+                self.loss_mask[i : i + size],
+                self.rollout_log_probs[i : i + size],
+                self.advantages[i : i + size],
+                self.sample_index[i : i + size],
+            )
+            for i in range(0, len(self.sample_index), size)
+        ]
 
 
 def collate(samples: list[Sample], pad_id: int) -> TrainBatch:
@@ -39,7 +46,9 @@ def collate(samples: list[Sample], pad_id: int) -> TrainBatch:
     for i, s in enumerate(samples):
         P, R = len(s.prompt_ids), len(s.response_ids)
         tokens[i, : P + R] = torch.tensor(s.tokens)
-        agent_mask = s.metadata.get("loss_mask")  # multi-turn agent samples: 0 on template / tool tokens in the response
+        agent_mask = s.metadata.get(
+            "loss_mask"
+        )  # multi-turn agent samples: 0 on template / tool tokens in the response
         mask[i, P : P + R] = torch.tensor(agent_mask, dtype=torch.float32) if agent_mask else 1.0
         if s.rollout_log_probs:
             rlp[i, P : P + R] = torch.tensor(s.rollout_log_probs)

@@ -43,23 +43,51 @@ def import_megatron():
         from megatron.core.transformer.transformer_config import TransformerConfig
     except ImportError as e:
         raise ImportError(INSTALL_HINT) from e
-    return dict(parallel_state=parallel_state, tensor_parallel=tensor_parallel, DDP=DistributedDataParallel,
-                DDPConfig=DistributedDataParallelConfig, GPTModel=GPTModel, local_spec=get_gpt_layer_local_spec,
-                OptimizerConfig=OptimizerConfig, get_optimizer=get_megatron_optimizer, Float16Module=Float16Module,
-                TransformerConfig=TransformerConfig)
+    return dict(
+        parallel_state=parallel_state,
+        tensor_parallel=tensor_parallel,
+        DDP=DistributedDataParallel,
+        DDPConfig=DistributedDataParallelConfig,
+        GPTModel=GPTModel,
+        local_spec=get_gpt_layer_local_spec,
+        OptimizerConfig=OptimizerConfig,
+        get_optimizer=get_megatron_optimizer,
+        Float16Module=Float16Module,
+        TransformerConfig=TransformerConfig,
+    )
 
 
 def transformer_config(mc: dict, cfg: ModelConfig):
     """Megatron's TransformerConfig for an HF Llama/Qwen2 config: RMSNorm, SwiGLU, RoPE, GQA, bf16, no dropout,
     no fusions that need Apex or Transformer Engine."""
     return mc["TransformerConfig"](
-        num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.intermediate_size,
-        num_attention_heads=cfg.num_attention_heads, num_query_groups=cfg.num_key_value_heads, kv_channels=cfg.head_dim,
-        normalization="RMSNorm", layernorm_epsilon=cfg.rms_norm_eps, gated_linear_unit=True, activation_func=F.silu,
-        add_bias_linear=False, add_qkv_bias=cfg.attention_bias, hidden_dropout=0.0, attention_dropout=0.0,
-        bf16=True, params_dtype=torch.bfloat16, perform_initialization=False, use_cpu_initialization=False,
-        attention_softmax_in_fp32=True, bias_activation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
-        gradient_accumulation_fusion=False, tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+        num_layers=cfg.num_hidden_layers,
+        hidden_size=cfg.hidden_size,
+        ffn_hidden_size=cfg.intermediate_size,
+        num_attention_heads=cfg.num_attention_heads,
+        num_query_groups=cfg.num_key_value_heads,
+        kv_channels=cfg.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=cfg.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=cfg.attention_bias,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bf16=True,
+        params_dtype=torch.bfloat16,
+        perform_initialization=False,
+        use_cpu_initialization=False,
+        attention_softmax_in_fp32=True,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        tensor_model_parallel_size=1,
+        pipeline_model_parallel_size=1,
+    )
 
 
 class SdpaCoreAttention(torch.nn.Module):
@@ -67,19 +95,41 @@ class SdpaCoreAttention(torch.nn.Module):
     (flash / memory-efficient kernels), instead of the local spec's unfused baddbmm + softmax that materialises
     [b * heads, s, s] scores. Causal self-attention only; q/k/v come as [s, b, heads, head_dim]."""
 
-    def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
-                 softmax_scale=None, cp_comm_type=None, pg_collection=None, **unused):
+    def __init__(
+        self,
+        config,
+        layer_number,
+        attn_mask_type,
+        attention_type,
+        attention_dropout=None,
+        softmax_scale=None,
+        cp_comm_type=None,
+        pg_collection=None,
+        **unused,
+    ):
         super().__init__()
         self.config, self.softmax_scale = config, softmax_scale
 
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                packed_seq_params=None, **unused):
+    def forward(
+        self,
+        query,
+        key,
+        value,
+        attention_mask,
+        attn_mask_type=None,
+        attention_bias=None,
+        packed_seq_params=None,
+        **unused,
+    ):
         if attention_mask is not None or attention_bias is not None or packed_seq_params is not None:
-            raise ValueError("SdpaCoreAttention supports causal attention without masks, biases or packed sequences; "
-                             "use trainer.megatron_attention=local")
+            raise ValueError(
+                "SdpaCoreAttention supports causal attention without masks, biases or packed sequences; "
+                "use trainer.megatron_attention=local"
+            )
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale,
-                                             enable_gqa=k.shape[1] != q.shape[1])
+        out = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, scale=self.softmax_scale, enable_gqa=k.shape[1] != q.shape[1]
+        )
         s, b = query.shape[0], query.shape[1]
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
 
@@ -96,9 +146,15 @@ def build_gpt(mc: dict, tcfg, cfg: ModelConfig, device: torch.device, attention:
     """A GPTModel (local spec) with the HF config's shapes, on ``device``; weights are loaded afterwards.
 
     The local spec's torch RMSNorm is created on the CPU whatever the config says, hence the final ``.to``."""
-    return mc["GPTModel"](tcfg, layer_spec(mc, attention), vocab_size=cfg.vocab_size,
-                          max_sequence_length=cfg.max_position_embeddings, position_embedding_type="rope",
-                          rotary_base=int(cfg.rope_theta), share_embeddings_and_output_weights=cfg.tie_word_embeddings).to(device)
+    return mc["GPTModel"](
+        tcfg,
+        layer_spec(mc, attention),
+        vocab_size=cfg.vocab_size,
+        max_sequence_length=cfg.max_position_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(cfg.rope_theta),
+        share_embeddings_and_output_weights=cfg.tie_word_embeddings,
+    ).to(device)
 
 
 def init_parallel_state(mc: dict, world_size: int, seed: int) -> None:
@@ -107,8 +163,10 @@ def init_parallel_state(mc: dict, world_size: int, seed: int) -> None:
     A single-GPU run has no process group yet: one is created for world size 1 (NCCL over a free local port)."""
     if not dist.is_initialized():
         if world_size != 1:
-            raise RuntimeError(f"world_size = {world_size} but torch.distributed is not initialised; the TrainActor "
-                               "initialises it before building the backend")
+            raise RuntimeError(
+                f"world_size = {world_size} but torch.distributed is not initialised; the TrainActor "
+                "initialises it before building the backend"
+            )
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
@@ -142,34 +200,75 @@ class MegatronBackend(TorchBackend):
         ...
     """
 
-    def __init__(self, model_cfg: ModelConfig, cfg: TrainerConfig, *, rank: int = 0, world_size: int = 1,
-                 device="cuda", seed: int = 0, temperature: float = 1.0, ledger: MemoryLedger | None = None,
-                 offload_policy: str = "host", disk_dir: str | None = None, distributed_optimizer: bool | None = None):
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        cfg: TrainerConfig,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        device="cuda",
+        seed: int = 0,
+        temperature: float = 1.0,
+        ledger: MemoryLedger | None = None,
+        offload_policy: str = "host",
+        disk_dir: str | None = None,
+        distributed_optimizer: bool | None = None,
+    ):
         """``distributed_optimizer``: shard FP32 masters and Adam state over the data-parallel ranks; default: when
         world_size > 1 (with one rank it is Megatron's distributed-optimizer code path over a group of one)."""
         mc = import_megatron()
         self.device = torch.device(device)
         if self.device.type != "cuda":
-            raise ValueError(f"the megatron backend runs on CUDA only (device={device}); use trainer.backend=torch on CPU")
+            raise ValueError(
+                f"the megatron backend runs on CUDA only (device={device}); use trainer.backend=torch on CPU"
+            )
         if cfg.precision != "bf16" or cfg.optimizer != "adamw" or cfg.optimizer_offload != "none":
-            raise ValueError(f"the megatron backend supports precision=bf16, optimizer=adamw, optimizer_offload=none "
-                             f"(got {cfg.precision}, {cfg.optimizer}, {cfg.optimizer_offload}); use trainer.backend=torch")
+            raise ValueError(
+                f"the megatron backend supports precision=bf16, optimizer=adamw, optimizer_offload=none "
+                f"(got {cfg.precision}, {cfg.optimizer}, {cfg.optimizer_offload}); use trainer.backend=torch"
+            )
         self.cfg, self.model_cfg = cfg, model_cfg
         self.rank, self.world_size, self.temperature = rank, world_size, temperature
         torch.manual_seed(seed)
         init_parallel_state(mc, world_size, seed)
         self.tcfg = transformer_config(mc, model_cfg)
         hf = build_decoder(model_cfg, seed=seed, device=self.device).hf_state_dict()  # same weights as TorchBackend
-        policy = self._load(mc["Float16Module"](self.tcfg, build_gpt(mc, self.tcfg, model_cfg, self.device, cfg.megatron_attention)), hf)
-        self.ref_model = self._load(mc["Float16Module"](self.tcfg, build_gpt(mc, self.tcfg, model_cfg, self.device, cfg.megatron_attention)), hf).eval().requires_grad_(False) if cfg.kl_coef else None
+        policy = self._load(
+            mc["Float16Module"](self.tcfg, build_gpt(mc, self.tcfg, model_cfg, self.device, cfg.megatron_attention)), hf
+        )
+        self.ref_model = (
+            self._load(
+                mc["Float16Module"](
+                    self.tcfg, build_gpt(mc, self.tcfg, model_cfg, self.device, cfg.megatron_attention)
+                ),
+                hf,
+            )
+            .eval()
+            .requires_grad_(False)
+            if cfg.kl_coef
+            else None
+        )
         del hf
         dist_opt = world_size > 1 if distributed_optimizer is None else distributed_optimizer
-        ddp_cfg = mc["DDPConfig"](grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=dist_opt)
+        ddp_cfg = mc["DDPConfig"](
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=dist_opt
+        )
         self.model = mc["DDP"](self.tcfg, ddp_cfg, policy)
-        self.optimizer = mc["get_optimizer"](mc["OptimizerConfig"](
-            optimizer="adam", lr=cfg.lr, weight_decay=cfg.weight_decay, adam_beta1=cfg.betas[0], adam_beta2=cfg.betas[1],
-            clip_grad=cfg.max_grad_norm, bf16=True, params_dtype=torch.bfloat16,
-            use_distributed_optimizer=dist_opt), [self.model])
+        self.optimizer = mc["get_optimizer"](
+            mc["OptimizerConfig"](
+                optimizer="adam",
+                lr=cfg.lr,
+                weight_decay=cfg.weight_decay,
+                adam_beta1=cfg.betas[0],
+                adam_beta2=cfg.betas[1],
+                clip_grad=cfg.max_grad_norm,
+                bf16=True,
+                params_dtype=torch.bfloat16,
+                use_distributed_optimizer=dist_opt,
+            ),
+            [self.model],
+        )
         self._zero_grads()
         self.ledger = ledger or MemoryLedger()
         self.memory = TaggedMemory(f"trainer/{rank}", self.ledger, self.device, disk_dir=disk_dir)
@@ -202,9 +301,14 @@ class MegatronBackend(TorchBackend):
         position_ids = torch.arange(T, device=inp.device).expand(N, T)
         logits = model(inp, position_ids, None, **megatron_policy_forward_kwargs(model))  # [N, T, V] bf16
         V = logits.shape[-1]
-        lp, ent = log_probs_and_entropy(logits.reshape(N * T, V), tokens_NL[:, 1:].reshape(-1), temperature=self.temperature,
-                                        chunk_size=self.cfg.logprob_chunk_size, with_entropy=with_entropy,
-                                        entropy_requires_grad=with_entropy and self.cfg.entropy_coef > 0)
+        lp, ent = log_probs_and_entropy(
+            logits.reshape(N * T, V),
+            tokens_NL[:, 1:].reshape(-1),
+            temperature=self.temperature,
+            chunk_size=self.cfg.logprob_chunk_size,
+            with_entropy=with_entropy,
+            entropy_requires_grad=with_entropy and self.cfg.entropy_coef > 0,
+        )
         pad = lp.new_zeros(N, 1)
         lp = torch.cat([pad, lp.view(N, T)], 1)
         ent = torch.cat([pad, ent.view(N, T)], 1) if ent is not None else None
@@ -236,7 +340,10 @@ class MegatronBackend(TorchBackend):
             yield name, t.to(dtype).contiguous()
 
     def state_dict(self) -> dict:
-        return {"model": {k: v.cpu().clone() for k, v in self.named_weights()}, "optimizer": self.optimizer.state_dict()}
+        return {
+            "model": {k: v.cpu().clone() for k, v in self.named_weights()},
+            "optimizer": self.optimizer.state_dict(),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self._load(self.model.module, state["model"])

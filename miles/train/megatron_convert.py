@@ -31,7 +31,9 @@ def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: ModelConfig
     """HF q [Hq*D, ...], k/v [Hkv*D, ...] -> Megatron linear_qkv [(Hq + 2 Hkv) * D, ...], grouped per KV head."""
     g, d, rest = cfg.num_key_value_heads, cfg.head_dim, q.shape[1:]
     per = cfg.num_attention_heads // g
-    return torch.cat([q.reshape(g, per * d, *rest), k.reshape(g, d, *rest), v.reshape(g, d, *rest)], 1).reshape(-1, *rest)
+    return torch.cat([q.reshape(g, per * d, *rest), k.reshape(g, d, *rest), v.reshape(g, d, *rest)], 1).reshape(
+        -1, *rest
+    )
 
 
 def split_qkv(qkv: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -44,8 +46,10 @@ def split_qkv(qkv: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, torch.
 
 def hf_to_megatron(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """HF-named tensors (tied checkpoints may omit lm_head.weight) -> Megatron-named tensors."""
-    out = {"embedding.word_embeddings.weight": hf["model.embed_tokens.weight"],
-           "decoder.final_layernorm.weight": hf["model.norm.weight"]}
+    out = {
+        "embedding.word_embeddings.weight": hf["model.embed_tokens.weight"],
+        "decoder.final_layernorm.weight": hf["model.norm.weight"],
+    }
     if not cfg.tie_word_embeddings:
         out["output_layer.weight"] = hf["lm_head.weight"]
     for i in range(cfg.num_hidden_layers):
@@ -53,12 +57,16 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, t
         for m_suffix, h_suffix in _SIMPLE.items():
             out[dst + m_suffix] = hf[src + h_suffix]
         a = src + "self_attn."
-        out[dst + "self_attention.linear_qkv.weight"] = fuse_qkv(hf[a + "q_proj.weight"], hf[a + "k_proj.weight"],
-                                                                  hf[a + "v_proj.weight"], cfg)
+        out[dst + "self_attention.linear_qkv.weight"] = fuse_qkv(
+            hf[a + "q_proj.weight"], hf[a + "k_proj.weight"], hf[a + "v_proj.weight"], cfg
+        )
         if cfg.attention_bias:
-            out[dst + "self_attention.linear_qkv.bias"] = fuse_qkv(hf[a + "q_proj.bias"], hf[a + "k_proj.bias"],
-                                                                    hf[a + "v_proj.bias"], cfg)
-        out[dst + "mlp.linear_fc1.weight"] = torch.cat([hf[src + "mlp.gate_proj.weight"], hf[src + "mlp.up_proj.weight"]])
+            out[dst + "self_attention.linear_qkv.bias"] = fuse_qkv(
+                hf[a + "q_proj.bias"], hf[a + "k_proj.bias"], hf[a + "v_proj.bias"], cfg
+            )
+        out[dst + "mlp.linear_fc1.weight"] = torch.cat(
+            [hf[src + "mlp.gate_proj.weight"], hf[src + "mlp.up_proj.weight"]]
+        )
     return out
 
 
@@ -77,8 +85,10 @@ def megatron_to_hf(named: Iterable[tuple[str, torch.Tensor]], cfg: ModelConfig) 
         elif (m := _LAYER.fullmatch(name)) is not None:
             yield from _layer_to_hf(int(m.group(1)), m.group(2), t, cfg)
         else:
-            raise KeyError(f"no HF name for Megatron parameter {name!r}; megatron_convert knows the local GPT spec only "
-                           "(dense Llama/Qwen2: no MoE, no MLA, no TE fused layernorm-linear)")
+            raise KeyError(
+                f"no HF name for Megatron parameter {name!r}; megatron_convert knows the local GPT spec only "
+                "(dense Llama/Qwen2: no MoE, no MLA, no TE fused layernorm-linear)"
+            )
 
 
 def _layer_to_hf(i: int, suffix: str, t: torch.Tensor, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:

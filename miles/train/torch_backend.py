@@ -40,9 +40,20 @@ class TorchBackend:
         ...
     """
 
-    def __init__(self, model_cfg: ModelConfig, cfg: TrainerConfig, *, rank: int = 0, world_size: int = 1,
-                 device="cpu", seed: int = 0, temperature: float = 1.0, ledger: MemoryLedger | None = None,
-                 offload_policy: str = "host", disk_dir: str | None = None):
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        cfg: TrainerConfig,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        device="cpu",
+        seed: int = 0,
+        temperature: float = 1.0,
+        ledger: MemoryLedger | None = None,
+        offload_policy: str = "host",
+        disk_dir: str | None = None,
+    ):
         self.cfg, self.model_cfg = cfg, model_cfg
         self.rank, self.world_size, self.device = rank, world_size, torch.device(device)
         self.temperature = temperature
@@ -65,7 +76,9 @@ class TorchBackend:
         policy = "discard" if offload_policy == "none" else offload_policy
         self.offload_enabled = offload_policy != "none"
         self.memory.register("params", list(self.model.parameters()), policy=policy)
-        self.memory.register("grads", lambda: [p.grad for p in self.model.parameters() if p.grad is not None], policy="discard")
+        self.memory.register(
+            "grads", lambda: [p.grad for p in self.model.parameters() if p.grad is not None], policy="discard"
+        )
         if self.optim_offloader is None:
             self.memory.register("optimizer", lambda: optimizer_state_tensors(self.optimizer), policy=policy)
         if self.ref_model is not None:
@@ -97,9 +110,14 @@ class TorchBackend:
     def _token_log_probs(self, model, tokens_NL: torch.Tensor, with_entropy: bool = False):
         logits = model(tokens_NL[:, :-1])  # [N, L-1, V] in model dtype
         N, T, V = logits.shape
-        lp, ent = log_probs_and_entropy(logits.reshape(N * T, V), tokens_NL[:, 1:].reshape(-1), temperature=self.temperature,
-                                        chunk_size=self.cfg.logprob_chunk_size, with_entropy=with_entropy,
-                                        entropy_requires_grad=with_entropy and self.cfg.entropy_coef > 0)
+        lp, ent = log_probs_and_entropy(
+            logits.reshape(N * T, V),
+            tokens_NL[:, 1:].reshape(-1),
+            temperature=self.temperature,
+            chunk_size=self.cfg.logprob_chunk_size,
+            with_entropy=with_entropy,
+            entropy_requires_grad=with_entropy and self.cfg.entropy_coef > 0,
+        )
         pad = lp.new_zeros(N, 1)
         lp = torch.cat([pad, lp.view(N, T)], 1)
         ent = torch.cat([pad, ent.view(N, T)], 1) if ent is not None else None
@@ -124,13 +142,24 @@ class TorchBackend:
             ref = self._token_log_probs(self.ref_model, tokens)[0].detach() if self.ref_model is not None else None
             old_lp = lp.detach() if old_lp is None else old_lp.to(self.device)
             seen.append(old_lp.cpu())
-            out = policy_loss(lp, old_lp, mb.advantages.to(self.device), mask, kind=c.loss, eps_clip=c.eps_clip,
-                              eps_clip_high=c.eps_clip_high, ref_log_probs=ref, kl_coef=c.kl_coef, entropy=ent,
-                              entropy_coef=c.entropy_coef)
+            out = policy_loss(
+                lp,
+                old_lp,
+                mb.advantages.to(self.device),
+                mask,
+                kind=c.loss,
+                eps_clip=c.eps_clip,
+                eps_clip_high=c.eps_clip_high,
+                ref_log_probs=ref,
+                kl_coef=c.kl_coef,
+                entropy=ent,
+                entropy_coef=c.entropy_coef,
+            )
             out.loss.backward()
             metrics = _accumulate(metrics, out.metrics, len(minibatches))
-            metrics["train_rollout_logprob_abs_diff"] = metrics.get("train_rollout_logprob_abs_diff", 0.0) + masked_mean(
-                (lp.detach() - mb.rollout_log_probs.to(self.device)).abs(), mask).item() / len(minibatches)
+            metrics["train_rollout_logprob_abs_diff"] = metrics.get(
+                "train_rollout_logprob_abs_diff", 0.0
+            ) + masked_mean((lp.detach() - mb.rollout_log_probs.to(self.device)).abs(), mask).item() / len(minibatches)
             metrics["grad_norm"] = self._optimizer_step()
         self.last_log_probs = torch.cat(seen)  # [N, L] log-probs before the update (for dumps and dashboards)
         metrics["train_time"] = time.perf_counter() - t0
@@ -174,8 +203,12 @@ class TorchBackend:
     def state_dict(self) -> dict:
         if self.optim_offloader is not None:
             self.optim_offloader.flush()  # msync file-backed state before a checkpoint reads it
-        return {"model": {k: v.cpu().clone() for k, v in self.named_weights()},
-                "optimizer": self.optimizer.state_dict() if self.world_size == 1 else _full_optim_state(self.model, self.optimizer)}
+        return {
+            "model": {k: v.cpu().clone() for k, v in self.named_weights()},
+            "optimizer": self.optimizer.state_dict()
+            if self.world_size == 1
+            else _full_optim_state(self.model, self.optimizer),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         own = dict(self.model.named_parameters())
@@ -196,7 +229,9 @@ class TorchBackend:
         else:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-            set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=StateDictOptions(full_state_dict=True))
+            set_optimizer_state_dict(
+                self.model, self.optimizer, state["optimizer"], options=StateDictOptions(full_state_dict=True)
+            )
 
     # ---- memory -------------------------------------------------------------------------------------------
     def offload(self, tags=TRAIN_TAGS, phase: str = "offload_train") -> int:

@@ -5,7 +5,6 @@ instance, and leave no episode running and no sandbox behind, whatever the numbe
 """
 
 import json
-import os
 import signal
 import threading
 import time
@@ -17,23 +16,42 @@ from miles.agents.launcher import AgentProcesses, free_port_range
 from miles.agents.rollout import AgentRollout
 from miles.config import AgentConfig, RunConfig, apply_overrides
 
-TINY = json.dumps(dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                       num_key_value_heads=2, max_position_embeddings=1024))
+TINY = json.dumps(
+    dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+    )
+)
 SLOW_S = 30.0
 
 
 @pytest.fixture(scope="module")
 def procs():
     base = free_port_range(6)
-    with AgentProcesses.start(ports=[base + i for i in range(4)], harness_port=base + 4, model_json=TINY,
-                              max_seq_len=1024, timeout_s=80) as p:
+    with AgentProcesses.start(
+        ports=[base + i for i in range(4)], harness_port=base + 4, model_json=TINY, max_seq_len=1024, timeout_s=80
+    ) as p:
         p.base = base
         yield p
 
 
 def _cfg(spec: str, **kw) -> AgentConfig:
-    base = dict(session_ports=spec, oversample_factor=3, max_turns=1, max_tokens_per_turn=8, slow_test_fraction=0.2,
-                slow_test_s=SLOW_S, flush_timeout_s=3.0, flush_retries=1, episode_timeout_s=60, test_timeout_s=40)
+    base = dict(
+        session_ports=spec,
+        oversample_factor=3,
+        max_turns=1,
+        max_tokens_per_turn=8,
+        slow_test_fraction=0.2,
+        slow_test_s=SLOW_S,
+        flush_timeout_s=3.0,
+        flush_retries=1,
+        episode_timeout_s=60,
+        test_timeout_s=40,
+    )
     return AgentConfig(**(base | kw))
 
 

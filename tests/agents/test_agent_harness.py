@@ -7,10 +7,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from miles.agents.harness import Harness, create_app as harness_app
+from miles.agents.harness import Harness
+from miles.agents.harness import create_app as harness_app
 from miles.agents.launcher import ThreadServer, free_port_range
 from miles.agents.policy import Completion
-from miles.agents.session_server import SessionServer, create_app as session_app
+from miles.agents.session_server import SessionServer
+from miles.agents.session_server import create_app as session_app
 from miles.agents.swe_tasks import make_task
 from miles.agents.tool_calls import format_tool_call
 from miles.model.tokenizer import ByteTokenizer
@@ -47,8 +49,18 @@ def stack(tmp_path_factory):
 
 
 def _run(hs_url, session_url, n=1, instance="agent-a", **spec):
-    eps = [{"episode_id": f"ep{time.monotonic_ns()}-{i}", "instance_id": instance, "session_url": session_url,
-            "task_seed": 7, "max_turns": 3, "timeout_s": 30, **spec} for i in range(n)]
+    eps = [
+        {
+            "episode_id": f"ep{time.monotonic_ns()}-{i}",
+            "instance_id": instance,
+            "session_url": session_url,
+            "task_seed": 7,
+            "max_turns": 3,
+            "timeout_s": 30,
+            **spec,
+        }
+        for i in range(n)
+    ]
     r = httpx.post(f"{hs_url}/episodes", json={"episodes": eps})
     assert r.status_code == 200, r.text
     return [e["episode_id"] for e in eps]
@@ -67,11 +79,21 @@ def _results(hs_url, ids, timeout_s=20.0):
 def test_an_agent_that_applies_the_fix_gets_reward_one_and_leaves_no_sandbox(stack):
     policy, s_url, h_url, harness = stack
     path, old, new = make_task(7).fix
-    script = [format_tool_call("read_file", path=path), format_tool_call("edit_file", path=path, old=old, new=new),
-              format_tool_call("run_test"), format_tool_call("submit")]
+    script = [
+        format_tool_call("read_file", path=path),
+        format_tool_call("edit_file", path=path, old=old, new=new),
+        format_tool_call("run_test"),
+        format_tool_call("submit"),
+    ]
     policy.script = list(script)
     [r] = _results(h_url, _run(h_url, s_url, max_turns=6))
-    assert (r["status"], r["reward"], r["passed"], r["num_tool_calls"], r["num_malformed"]) == ("completed", 1.0, True, 4, 0)
+    assert (r["status"], r["reward"], r["passed"], r["num_tool_calls"], r["num_malformed"]) == (
+        "completed",
+        1.0,
+        True,
+        4,
+        0,
+    )
     assert old in r["transcript"][3]["content"] and r["transcript"][-1]["content"] == "submitted"
     assert r["transcript"][4]["tool_calls"][0]["function"]["name"] == "edit_file"
     rec = r["record"]
@@ -83,7 +105,13 @@ def test_malformed_tool_calls_cost_turns_and_end_with_zero_reward(stack):
     policy, s_url, h_url, harness = stack
     policy.script = ["\x01garbage", "<tool>{not json", format_tool_call("read_file", path="../../etc/passwd")]
     [r] = _results(h_url, _run(h_url, s_url, max_turns=3))
-    assert (r["status"], r["reward"], r["num_turns"], r["num_malformed"], r["num_tool_calls"]) == ("completed", 0.0, 3, 2, 1)
+    assert (r["status"], r["reward"], r["num_turns"], r["num_malformed"], r["num_tool_calls"]) == (
+        "completed",
+        0.0,
+        3,
+        2,
+        1,
+    )
     assert "not JSON after <tool>" in r["transcript"][5]["content"]
     assert "outside the repository" in r["transcript"][-1]["content"]
     assert harness.sandboxes() == []
@@ -121,7 +149,12 @@ def test_flush_cancels_only_that_instances_episodes_kills_their_tests_and_remove
     pids = {eid: p.pid for eid, p in harness.procs.items()}
     t0 = time.monotonic()
     out = httpx.post(f"{h_url}/flush", json={"instance_id": "agent-a"}, timeout=10).json()
-    assert time.monotonic() - t0 < 5 and out["cancelled"] == 1 and out["still_running"] == [] and out["sandboxes_left"] == []
+    assert (
+        time.monotonic() - t0 < 5
+        and out["cancelled"] == 1
+        and out["still_running"] == []
+        and out["sandboxes_left"] == []
+    )
     assert set(httpx.get(f"{h_url}/episodes").json()) == set(b) and harness.sandboxes() == b
     assert not Path(f"/proc/{pids[a[0]]}").exists() or "Z" in Path(f"/proc/{pids[a[0]]}/stat").read_text().split()[2]
     [r] = _results(h_url, a, timeout_s=5)
@@ -132,8 +165,10 @@ def test_flush_cancels_only_that_instances_episodes_kills_their_tests_and_remove
 
 def test_a_bad_episode_spec_is_a_400_that_names_the_field(stack):
     _, s_url, h_url, _ = stack
-    r = httpx.post(f"{h_url}/episodes", json={"episodes": [{"episode_id": "x", "instance_id": "a", "session_url": s_url,
-                                                            "bogus": 1}]})
+    r = httpx.post(
+        f"{h_url}/episodes",
+        json={"episodes": [{"episode_id": "x", "instance_id": "a", "session_url": s_url, "bogus": 1}]},
+    )
     assert r.status_code == 400 and "unknown episode field(s) ['bogus']" in r.text
 
 
@@ -141,6 +176,8 @@ def test_an_unknown_session_id_over_http_is_a_404_in_openai_error_shape(stack):
     _, s_url, _, _ = stack
     r = httpx.post(f"{s_url}/sessions/nope/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
     err = r.json()["error"]
-    assert r.status_code == 404 and err["code"] == "unknown_session" and "create one with POST /sessions" in err["message"]
+    assert (
+        r.status_code == 404 and err["code"] == "unknown_session" and "create one with POST /sessions" in err["message"]
+    )
     r = httpx.post(f"{s_url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
     assert r.status_code == 400 and "needs 'session_id' in the body" in r.json()["error"]["message"]

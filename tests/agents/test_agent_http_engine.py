@@ -17,7 +17,9 @@ from tests.conftest import tiny_run_cfg
 
 @pytest.mark.timeout(80)
 def test_sessions_over_http_keep_exact_tokens_and_a_flush_aborts_the_in_flight_turn(tmp_path):
-    cfg = tiny_run_cfg(tmp_path, "model.max_position_embeddings=512", "rollout.max_seq_len=512", "rollout.max_batch_size=8")
+    cfg = tiny_run_cfg(
+        tmp_path, "model.max_position_embeddings=512", "rollout.max_seq_len=512", "rollout.max_batch_size=8"
+    )
     [proc] = spawn_miles_servers(cfg, 1, device="cpu")
     try:
         server = SessionServer(HttpPolicy(proc.url), ByteTokenizer(), instance_id="agent-http")
@@ -51,6 +53,8 @@ def test_sessions_over_http_keep_exact_tokens_and_a_flush_aborts_the_in_flight_t
 
 def _catch(server, sid):
     try:
-        return server.chat(sid, {"messages": [{"role": "user", "content": "go"}], "max_tokens": 400, "temperature": 1.0})
+        return server.chat(
+            sid, {"messages": [{"role": "user", "content": "go"}], "max_tokens": 400, "temperature": 1.0}
+        )
     except SessionError as e:
         return e

@@ -17,10 +17,21 @@ from miles.train.torch_backend import TorchBackend
 @pytest.mark.timeout(80)
 def test_agent_swe_recipe_rolls_out_flushes_both_instances_and_trains_one_step(tmp_path):
     base = free_port_range(2)
-    cfg = apply_overrides(get_recipe("agent_swe"), [
-        f"agents.session_ports={base}-{base + 1}", f"run_dir={tmp_path / 'run'}", "model.hidden_size=32",
-        "model.intermediate_size=64", "rollout.num_prompts_per_step=2", "rollout.n_samples_per_prompt=2",
-        "agents.max_turns=2", "agents.max_tokens_per_turn=8", "agents.oversample_factor=2", "num_threads=1"])
+    cfg = apply_overrides(
+        get_recipe("agent_swe"),
+        [
+            f"agents.session_ports={base}-{base + 1}",
+            f"run_dir={tmp_path / 'run'}",
+            "model.hidden_size=32",
+            "model.intermediate_size=64",
+            "rollout.num_prompts_per_step=2",
+            "rollout.n_samples_per_prompt=2",
+            "agents.max_turns=2",
+            "agents.max_tokens_per_turn=8",
+            "agents.oversample_factor=2",
+            "num_threads=1",
+        ],
+    )
     manager = RolloutManager(cfg, "cpu")
     try:
         batches, metrics = generate_batches(manager, step=0)
@@ -35,8 +46,16 @@ def test_agent_swe_recipe_rolls_out_flushes_both_instances_and_trains_one_step(t
         assert all(lp == 0.0 for lp, m in zip(s.rollout_log_probs, mask) if not m)
     by_index = {s.index: s for s in manager.last_samples}
     for row, idx in enumerate(batch.sample_index):  # only what the policy sampled is trained on
-        assert batch.loss_mask[row].sum().item() == sum(by_index[idx].metadata["loss_mask"]) < len(by_index[idx].response_ids)
+        assert (
+            batch.loss_mask[row].sum().item()
+            == sum(by_index[idx].metadata["loss_mask"])
+            < len(by_index[idx].response_ids)
+        )
     rows = [json.loads(line) for line in (tmp_path / "run" / "agent_episodes.jsonl").read_text().splitlines()]
-    assert len(rows) == 8 and sum(r["kept"] for r in rows) == 4 and {"num_turns", "num_malformed", "reward"} <= set(rows[0])
+    assert (
+        len(rows) == 8
+        and sum(r["kept"] for r in rows) == 4
+        and {"num_turns", "num_malformed", "reward"} <= set(rows[0])
+    )
     out = TorchBackend(cfg.model, cfg.trainer).train_step(batch)
     assert math.isfinite(out["loss"])

@@ -17,8 +17,14 @@ from miles.rollout.engine import EmbeddedEngine
 
 @pytest.fixture(scope="module")
 def server():
-    cfg = ModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=512)
+    cfg = ModelConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    )
     policy = EmbeddedPolicy(EmbeddedEngine(cfg, max_batch_size=8, max_seq_len=512, seed=0))
     yield SessionServer(policy, ByteTokenizer(), instance_id="agent-test")
     policy.close()
@@ -42,7 +48,9 @@ def test_session_record_holds_the_exact_sampled_tokens_even_when_their_text_does
     ids, mask = rec["token_ids"], rec["loss_mask"]
     policy_ids = [t for t, m in zip(ids, mask) if m]
     assert policy_ids == [t for r in replies for t in r["miles"]["output_ids"]]
-    assert [lp for lp, m in zip(rec["log_probs"], mask) if m] == [x for r in replies for x in r["miles"]["output_log_probs"]]
+    assert [lp for lp, m in zip(rec["log_probs"], mask) if m] == [
+        x for r in replies for x in r["miles"]["output_log_probs"]
+    ]
     first = tok.apply_chat_template([{"role": "user", "content": "fix the bug"}])
     assert ids[: len(first)] == first and rec["prompt_len"] == len(first) and rec["num_turns"] == 3
     # random bytes from a tiny model rarely survive decode -> encode; the record never goes through text
@@ -70,8 +78,16 @@ def test_unknown_session_and_changed_history_are_clear_errors(server):
     sid = server.open()
     _turns(server, sid, 1)
     with pytest.raises(SessionError, match=r"messages\[0\] \(user\) differs from the session's record") as e:
-        server.chat(sid, {"messages": [{"role": "user", "content": "other"}, {"role": "assistant", "content": "a"},
-                                       {"role": "user", "content": "y"}]})
+        server.chat(
+            sid,
+            {
+                "messages": [
+                    {"role": "user", "content": "other"},
+                    {"role": "assistant", "content": "a"},
+                    {"role": "user", "content": "y"},
+                ]
+            },
+        )
     assert e.value.status == 400
     with pytest.raises(SessionError, match="'messages' must be a non-empty list"):
         server.chat(sid, {"messages": "hello"})
@@ -92,7 +108,9 @@ def test_flush_aborts_an_in_flight_turn_and_drops_every_session(server):
 
     def turn():
         try:
-            server.chat(sids[0], {"messages": [{"role": "user", "content": "go"}], "max_tokens": 400, "temperature": 1.0})
+            server.chat(
+                sids[0], {"messages": [{"role": "user", "content": "go"}], "max_tokens": 400, "temperature": 1.0}
+            )
         except SessionError as e:
             got["error"] = e
 
@@ -103,7 +121,11 @@ def test_flush_aborts_an_in_flight_turn_and_drops_every_session(server):
         time.sleep(0.01)
     out = server.flush(timeout_s=5.0)
     t.join(timeout=10)
-    assert not t.is_alive() and got["error"].status == 409 and "aborted by a flush of instance agent-test" in str(got["error"])
+    assert (
+        not t.is_alive()
+        and got["error"].status == 409
+        and "aborted by a flush of instance agent-test" in str(got["error"])
+    )
     assert out["aborted_requests"] == 1 and out["still_running"] == [] and out["aborted_sessions"] >= 3
     assert server.health()["sessions"] == 0
     with pytest.raises(SessionError, match="aborted by a flush") as e:
@@ -114,7 +136,9 @@ def test_flush_aborts_an_in_flight_turn_and_drops_every_session(server):
 def test_after_a_flush_for_a_step_a_late_open_for_that_step_is_refused_and_later_steps_open(server):
     sid = server.open({"episode_id": "e0", "rollout": "r1", "step": 3})
     server.flush(timeout_s=1.0, rollout="r1", step=3)
-    with pytest.raises(SessionError, match="step 3 of rollout r1 was asked for after a flush of instance agent-test") as e:
+    with pytest.raises(
+        SessionError, match="step 3 of rollout r1 was asked for after a flush of instance agent-test"
+    ) as e:
         server.open({"episode_id": "e1", "rollout": "r1", "step": 3})  # e.g. queued while the instance was stalled
     assert e.value.status == 409 and server.health()["sessions"] == 0
     with pytest.raises(SessionError, match="aborted by a flush"):
@@ -132,28 +156,42 @@ def test_embedded_policy_batches_concurrent_calls_and_matches_a_direct_generate(
 
     sp = SamplingParams(max_new_tokens=6, temperature=0, stop_token_ids=())
     outs: dict[int, Completion] = {}
-    threads = [threading.Thread(target=lambda i=i: outs.__setitem__(i, server.policy.generate(f"b{i}", [1, 2, 3 + i], sp)))
-               for i in range(4)]
+    threads = [
+        threading.Thread(target=lambda i=i: outs.__setitem__(i, server.policy.generate(f"b{i}", [1, 2, 3 + i], sp)))
+        for i in range(4)
+    ]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=30)
     from miles.rollout.engine import GenerateRequest
 
-    ref = server.policy.engine.generate([GenerateRequest(rid=f"r{i}", input_ids=[1, 2, 3 + i], sampling=sp) for i in range(4)])
+    ref = server.policy.engine.generate(
+        [GenerateRequest(rid=f"r{i}", input_ids=[1, 2, 3 + i], sampling=sp) for i in range(4)]
+    )
     assert [outs[i].output_ids for i in range(4)] == [r.output_ids for r in ref]
 
 
 def test_tool_calls_are_parsed_and_malformed_ones_reported():
-    calls, errors = parse_tool_calls("ok " + format_tool_call("edit_file", path="a.py", old="-", new="+") + " <tool>{oops")
+    calls, errors = parse_tool_calls(
+        "ok " + format_tool_call("edit_file", path="a.py", old="-", new="+") + " <tool>{oops"
+    )
     assert [c["function"]["name"] for c in calls] == ["edit_file"] and '"old": "-"' in calls[0]["function"]["arguments"]
     assert len(errors) == 1 and "not JSON after <tool>" in errors[0]
-    assert parse_tool_calls('<tool>{"name": 3}')[1] == ["call 0: needs an object with a string 'name', got \"{'name': 3}\""]
+    assert parse_tool_calls('<tool>{"name": 3}')[1] == [
+        "call 0: needs an object with a string 'name', got \"{'name': 3}\""
+    ]
 
 
 def test_sglang_generate_answers_are_read_from_either_field():
-    d = {"text": "x", "meta_info": {"finish_reason": {"type": "length"}, "weight_version": 3,
-                                   "output_token_logprobs": [[-0.5, 7, None], [-1.0, 9, None]]}}
+    d = {
+        "text": "x",
+        "meta_info": {
+            "finish_reason": {"type": "length"},
+            "weight_version": 3,
+            "output_token_logprobs": [[-0.5, 7, None], [-1.0, 9, None]],
+        },
+    }
     c = parse_generate_response(d)
     assert (c.output_ids, c.output_log_probs, c.finish_reason, c.weight_version) == ([7, 9], [-0.5, -1.0], "length", 3)
     with pytest.raises(ValueError, match="ask with return_logprob=true"):

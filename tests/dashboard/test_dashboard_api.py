@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import threading
 import tracemalloc
 
 import httpx
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
+from test_dashboard_store import parse_payload
 
 from miles.dashboard.server import DashboardServer, create_app, main, parse_args
 from miles.dashboard.store import RolloutDumpWriter
-
-from test_dashboard_store import parse_payload
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +40,15 @@ def test_one_request_carries_a_whole_64k_token_sample(client):
     header, cols = parse_payload(r.content)
     assert header["num_tokens"] == 65536 and header["sample"]["prompt_len"] == 2048
     assert header["step_num_samples"] == 16 and header["sample"]["response_text"]
-    for name in ("tokens", "loss_mask", "rollout_log_probs", "train_log_probs", "advantages", "entropy", "token_text_len"):
+    for name in (
+        "tokens",
+        "loss_mask",
+        "rollout_log_probs",
+        "train_log_probs",
+        "advantages",
+        "entropy",
+        "token_text_len",
+    ):
         assert len(cols[name]) == 65536, name
     assert len(cols["token_text"]) == int(cols["token_text_len"].sum())
 
@@ -56,11 +62,22 @@ def test_the_page_and_its_scripts_are_served_locally(client):
         assert r.status_code == 200 and "https://" not in r.text, name
 
 
-@pytest.mark.parametrize("url", [
-    "/static/../store.py", "/static/..%2Fstore.py", "/static/%2e%2e/%2e%2e/atomic.py", "/static/..%2F..%2Fatomic.py",
-    "/static//etc/passwd", "/api/steps/..%2F..%2Fetc/samples", "/api/steps/3/samples/..%2F..%2Fconfig.json",
-    "/api/steps/3%2F..%2F..%2F/samples/1", "/api/steps/%2e%2e/samples", "/../config.json", "/api/../../etc/passwd",
-])
+@pytest.mark.parametrize(
+    "url",
+    [
+        "/static/../store.py",
+        "/static/..%2Fstore.py",
+        "/static/%2e%2e/%2e%2e/atomic.py",
+        "/static/..%2F..%2Fatomic.py",
+        "/static//etc/passwd",
+        "/api/steps/..%2F..%2Fetc/samples",
+        "/api/steps/3/samples/..%2F..%2Fconfig.json",
+        "/api/steps/3%2F..%2F..%2F/samples/1",
+        "/api/steps/%2e%2e/samples",
+        "/../config.json",
+        "/api/../../etc/passwd",
+    ],
+)
 def test_path_parameters_cannot_leave_the_run_or_static_dirs(client, url):
     r = client.get(url)
     assert r.status_code in (404, 422), (url, r.status_code)
@@ -79,13 +96,28 @@ def test_a_step_symlinked_out_of_the_run_dir_is_not_served(tmp_path):
     assert [s["step"] for s in c.get("/api/steps").json()["steps"]] == [1]
 
 
-@pytest.mark.parametrize("url", [
-    "/api/metrics?offset=abc", "/api/metrics?offset=-1", "/api/metrics?offset=1.5", "/api/ledger?offset=%00",
-    "/api/ledger?max_bytes=0", "/api/ledger?max_bytes=999999999999", "/api/metrics?offset=99999999999999999999999",
-    "/api/steps/abc/samples", "/api/steps/-1/samples", "/api/steps/1.5/samples/0", "/api/steps/3/samples/x",
-    "/api/steps/3/samples/-1", "/api/steps/3/samples/16", "/api/steps/3/samples/99999999999999999999",
-    "/api/steps/99999999999999999999999/samples", "/api/steps/7/samples/0", "/api/nope",
-])
+@pytest.mark.parametrize(
+    "url",
+    [
+        "/api/metrics?offset=abc",
+        "/api/metrics?offset=-1",
+        "/api/metrics?offset=1.5",
+        "/api/ledger?offset=%00",
+        "/api/ledger?max_bytes=0",
+        "/api/ledger?max_bytes=999999999999",
+        "/api/metrics?offset=99999999999999999999999",
+        "/api/steps/abc/samples",
+        "/api/steps/-1/samples",
+        "/api/steps/1.5/samples/0",
+        "/api/steps/3/samples/x",
+        "/api/steps/3/samples/-1",
+        "/api/steps/3/samples/16",
+        "/api/steps/3/samples/99999999999999999999",
+        "/api/steps/99999999999999999999999/samples",
+        "/api/steps/7/samples/0",
+        "/api/nope",
+    ],
+)
 def test_malformed_or_missing_values_are_4xx_never_500(client, url):
     r = client.get(url)
     assert 400 <= r.status_code < 500, (url, r.status_code, r.text[:200])
@@ -116,9 +148,15 @@ def test_main_refuses_a_missing_run_dir(tmp_path, capsys):
 def test_a_huge_dump_streams_without_being_loaded_whole(tmp_path):
     n = 1 << 19
     rng = np.random.default_rng(0)
-    sample = {"tokens": rng.integers(0, 50000, n).tolist(), "prompt_len": 16, "token_text": ["ab"] * n,
-              "rollout_log_probs": rng.normal(size=n).tolist(), "train_log_probs": rng.normal(size=n).tolist(),
-              "advantages": np.ones(n).tolist(), "entropy": np.ones(n).tolist()}
+    sample = {
+        "tokens": rng.integers(0, 50000, n).tolist(),
+        "prompt_len": 16,
+        "token_text": ["ab"] * n,
+        "rollout_log_probs": rng.normal(size=n).tolist(),
+        "train_log_probs": rng.normal(size=n).tolist(),
+        "advantages": np.ones(n).tolist(),
+        "entropy": np.ones(n).tolist(),
+    }
     RolloutDumpWriter(run_dir=tmp_path).write_step(1, [sample])
     del sample
     with DashboardServer(tmp_path) as server:

@@ -164,7 +164,9 @@ def test_hovering_a_token_shows_every_stat(page):
 
 
 def column(page, nth: int) -> list[str]:
-    return page.eval_on_selector_all(f"#rollout-table tbody tr td:nth-child({nth})", "tds => tds.map((t) => t.innerText.trim())")
+    return page.eval_on_selector_all(
+        f"#rollout-table tbody tr td:nth-child({nth})", "tds => tds.map((t) => t.innerText.trim())"
+    )
 
 
 def test_the_rollout_table_sorts_by_reward_length_and_group(page):
@@ -213,12 +215,20 @@ def test_block_strip_matches_the_naive_reference(page):
 
 
 def test_every_pane_renders(page):
-    for tab, selector in (("metrics", ".card[data-metric='reward'] canvas"), ("memory", ".card[data-pool='device'] canvas")):
+    for tab, selector in (
+        ("metrics", ".card[data-metric='reward'] canvas"),
+        ("memory", ".card[data-pool='device'] canvas"),
+    ):
         page.click(f"#tabs button[data-tab='{tab}']")
         page.wait_for_selector(selector)
         shot(page, tab)
     assert page.eval_on_selector_all("#memory-legend span", "s => s.map((x) => x.innerText)") == [
-        "weights", "kv_cache", "params", "optimizer", "grads"]
+        "weights",
+        "kv_cache",
+        "params",
+        "optimizer",
+        "grads",
+    ]
     assert "peak 8.0 GiB" in page.inner_text(".card[data-pool='device'] .title")
 
 

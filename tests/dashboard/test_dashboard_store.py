@@ -13,10 +13,20 @@ from miles.dashboard.store import COLUMNS, SAMPLE_MAGIC, NotInRunDir, RolloutDum
 
 
 def sample(n=12, prompt_len=4, **kw):
-    s = {"index": 7, "group": 1, "reward": 0.5, "tokens": list(range(100, 100 + n)), "prompt_len": prompt_len,
-         "token_text": [f"t{i}" for i in range(n)], "prompt_text": "P", "response_text": "R",
-         "rollout_log_probs": [-0.5] * (n - prompt_len), "advantages": [1.5] * (n - prompt_len),
-         "weight_version": 3, "finish_reason": "stop"}
+    s = {
+        "index": 7,
+        "group": 1,
+        "reward": 0.5,
+        "tokens": list(range(100, 100 + n)),
+        "prompt_len": prompt_len,
+        "token_text": [f"t{i}" for i in range(n)],
+        "prompt_text": "P",
+        "response_text": "R",
+        "rollout_log_probs": [-0.5] * (n - prompt_len),
+        "advantages": [1.5] * (n - prompt_len),
+        "weight_version": 3,
+        "finish_reason": "stop",
+    }
     s.update(kw)
     return s
 
@@ -24,12 +34,16 @@ def sample(n=12, prompt_len=4, **kw):
 def parse_payload(data: bytes) -> tuple[dict, dict]:
     assert data[:4] == SAMPLE_MAGIC
     head_len = int.from_bytes(data[4:8], "little")
-    header = json.loads(data[8:8 + head_len])
+    header = json.loads(data[8 : 8 + head_len])
     base = 8 + head_len
     assert base % 8 == 0
     cols = {}
     for c in header["columns"]:
-        raw = data[base + c["offset"]: base + c["offset"] + c["length"] * (1 if c["dtype"] == "utf8" else np.dtype(c["dtype"]).itemsize)]
+        raw = data[
+            base + c["offset"] : base
+            + c["offset"]
+            + c["length"] * (1 if c["dtype"] == "utf8" else np.dtype(c["dtype"]).itemsize)
+        ]
         cols[c["name"]] = raw.decode() if c["dtype"] == "utf8" else np.frombuffer(raw, c["dtype"])
     return header, cols
 

@@ -14,15 +14,29 @@ from miles.planner import plan as predict
 from miles.recipes import quickstart
 
 LEVELS = ["", "kv_cache", "weight", "kv_cache,weight"]
-COMBOS = [(m, lvl, t) for m, lvl, t in itertools.product(["cpu", "gpu"], LEVELS, ["host", "disk", "none"])
-          if not (m == "gpu" and t == "none")]
+COMBOS = [
+    (m, lvl, t)
+    for m, lvl, t in itertools.product(["cpu", "gpu"], LEVELS, ["host", "disk", "none"])
+    if not (m == "gpu" and t == "none")
+]
 
 
 def small_cfg(tmp_path, *overrides):
-    base = ["model.hidden_size=32", "model.intermediate_size=64", "model.num_hidden_layers=2",
-            "rollout.num_prompts_per_step=2", "rollout.n_samples_per_prompt=2", "rollout.max_new_tokens=4",
-            "rollout.max_batch_size=8", "rollout.max_seq_len=32", "trainer.warmup_sft_steps=0",
-            "trainer.num_minibatches=1", "num_threads=1", f"run_dir={tmp_path / 'run'}", "handoff.hardware=cpu"]
+    base = [
+        "model.hidden_size=32",
+        "model.intermediate_size=64",
+        "model.num_hidden_layers=2",
+        "rollout.num_prompts_per_step=2",
+        "rollout.n_samples_per_prompt=2",
+        "rollout.max_new_tokens=4",
+        "rollout.max_batch_size=8",
+        "rollout.max_seq_len=32",
+        "trainer.warmup_sft_steps=0",
+        "trainer.num_minibatches=1",
+        "num_threads=1",
+        f"run_dir={tmp_path / 'run'}",
+        "handoff.hardware=cpu",
+    ]
     return apply_overrides(quickstart(), base + list(overrides))
 
 
@@ -42,9 +56,16 @@ def expected_steps(plan, steps):
 
 
 @pytest.mark.parametrize("mode,level,offload_train", COMBOS)
-def test_every_mode_level_and_offload_train_executes_the_plan_and_moves_the_predicted_bytes(tmp_path, mode, level, offload_train):
-    cfg = small_cfg(tmp_path, f"handoff.colocate_memory_peak_device={mode}", f"handoff.offload_rollout_level={level}",
-                    f"handoff.offload_train={offload_train}", "handoff.engine_host_mirror=true")
+def test_every_mode_level_and_offload_train_executes_the_plan_and_moves_the_predicted_bytes(
+    tmp_path, mode, level, offload_train
+):
+    cfg = small_cfg(
+        tmp_path,
+        f"handoff.colocate_memory_peak_device={mode}",
+        f"handoff.offload_rollout_level={level}",
+        f"handoff.offload_train={offload_train}",
+        "handoff.engine_host_mirror=true",
+    )
     co, plan = run(cfg, tmp_path)
     assert executed_plan_steps(co) == expected_steps(plan, 1)
     predicted = [s for s in predict(cfg, "cpu", num_steps=1).steps if s.phase not in ("construct", "train")]
@@ -63,7 +84,9 @@ def test_every_mode_level_and_offload_train_executes_the_plan_and_moves_the_pred
 
 def test_gpu_mode_never_holds_engine_mirror_and_trainer_backup_on_host_together(tmp_path):
     def overlap(mode):
-        cfg = small_cfg(tmp_path / mode, f"handoff.colocate_memory_peak_device={mode}", "handoff.engine_host_mirror=true")
+        cfg = small_cfg(
+            tmp_path / mode, f"handoff.colocate_memory_peak_device={mode}", "handoff.engine_host_mirror=true"
+        )
         co, _ = run(cfg, tmp_path / mode, steps=2)
         held, both = {}, 0
         for e in co.events:
@@ -78,8 +101,12 @@ def test_gpu_mode_never_holds_engine_mirror_and_trainer_backup_on_host_together(
 
 
 def test_cpu_mode_without_weight_level_onload_weights_moves_zero_bytes(tmp_path):
-    cfg = small_cfg(tmp_path, "handoff.colocate_memory_peak_device=cpu", "handoff.offload_rollout_level=kv_cache",
-                    "handoff.engine_host_mirror=true")
+    cfg = small_cfg(
+        tmp_path,
+        "handoff.colocate_memory_peak_device=cpu",
+        "handoff.offload_rollout_level=kv_cache",
+        "handoff.engine_host_mirror=true",
+    )
     co, plan = run(cfg, tmp_path, steps=2)
     calls = [r for r in co.records if r.step.verb in ("onload_weights", "offload_weights")]
     assert len(calls) == 2 * 3  # init + every step, kept in the plan as guarded steps

@@ -39,8 +39,12 @@ def test_ledger_records_each_move_and_the_peak_per_pool():
     mem.pause(["params"], phase="offload")
     mem.resume(["params"], phase="onload")
     assert [(e.pool, e.direction, e.phase) for e in ledger.events] == [
-        ("device", "in", "init"), ("device", "out", "offload"), ("host", "in", "offload"),
-        ("host", "out", "onload"), ("device", "in", "onload")]
+        ("device", "in", "init"),
+        ("device", "out", "offload"),
+        ("host", "in", "offload"),
+        ("host", "out", "onload"),
+        ("device", "in", "onload"),
+    ]
     assert ledger.peaks() == {"device": n, "host": n, "disk": 0}
     assert ledger.held()[("t/0", "params", "host")] == 0
 

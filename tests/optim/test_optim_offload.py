@@ -129,7 +129,12 @@ def test_state_dict_while_offloaded_equals_resident_state_dict(optimizer_name, t
     assert offloader.is_offloaded
     got, want = opt.state_dict(), ref_opt.state_dict()
     assert not offloader.is_offloaded  # the state_dict pre-hook restored it
-    flat = lambda sd: [v for o in (sd.values() if optimizer_name == "muon" else [sd]) for st in o["state"].values() for v in st.values()]
+    flat = lambda sd: [
+        v
+        for o in (sd.values() if optimizer_name == "muon" else [sd])
+        for st in o["state"].values()
+        for v in st.values()
+    ]
     assert all(torch.equal(a, b) for a, b in zip(flat(got), flat(want)))
 
 
@@ -137,8 +142,13 @@ def test_load_state_dict_while_offloaded_then_training_matches_reference(tmp_pat
     reference, _, _ = train("muon", "none", 6, tmp_path)
     model, opt, offloader = train("muon", "host", 3, tmp_path)
     saved = {k: v.clone() for k, v in model.state_dict().items()}
-    sd = {name: {"state": {i: {k: v.clone() for k, v in st.items()} for i, st in o["state"].items()},
-                 "param_groups": o["param_groups"]} for name, o in opt.state_dict().items()}
+    sd = {
+        name: {
+            "state": {i: {k: v.clone() for k, v in st.items()} for i, st in o["state"].items()},
+            "param_groups": o["param_groups"],
+        }
+        for name, o in opt.state_dict().items()
+    }
     offloader.offload()
     opt.load_state_dict(sd)  # loaded while offloaded
     model.load_state_dict(saved)
@@ -193,8 +203,11 @@ def test_cuda_offloaded_muon_state_matches_resident_state_bit_for_bit(offload, t
     def run(mode):
         model = tiny_model().cuda()
         opt = build_optimizer(model.named_parameters(), TrainerConfig(optimizer="muon"))
-        off = {"none": None, "host": lambda: ChunkedOptimizerStateOffloader(opt, chunk_bytes=300),
-               "disk": lambda: DiskOptimizerStateOffloader(opt, directory=str(tmp_path), chunk_bytes=300)}[mode]
+        off = {
+            "none": None,
+            "host": lambda: ChunkedOptimizerStateOffloader(opt, chunk_bytes=300),
+            "disk": lambda: DiskOptimizerStateOffloader(opt, directory=str(tmp_path), chunk_bytes=300),
+        }[mode]
         off = off() if off else None
         for step in range(4):
             loss_at(model, step).backward()

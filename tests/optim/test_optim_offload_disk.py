@@ -7,10 +7,10 @@ import warnings
 
 import pytest
 import torch
+from test_optim_offload import loss_at, params_of, train  # tests/optim is on sys.path (rootdir-relative import mode)
 
 from miles.optim import DiskOptimizerStateOffloader, OptimizerOffloadSpaceError, TmpfsOffloadWarning
 from miles.optim.disk_offload import filesystem_type, prepare_offload_directory
-from test_optim_offload import loss_at, params_of, train  # tests/optim is on sys.path (rootdir-relative import mode)
 
 
 @pytest.fixture
@@ -52,7 +52,9 @@ def test_full_filesystem_fails_at_allocation_and_corrupts_nothing(small_tmpfs, t
     layer(torch.ones(2, 512)).sum().backward()
     opt.step()
     before = {k: v.clone() for st in opt.state.values() for k, v in st.items()}
-    with pytest.raises(OptimizerOffloadSpaceError, match=r"no space for optimizer-state chunk \d+ .*free.*The state stays resident"):
+    with pytest.raises(
+        OptimizerOffloadSpaceError, match=r"no space for optimizer-state chunk \d+ .*free.*The state stays resident"
+    ):
         offloader.offload()
     assert not offloader.is_offloaded and offloader.chunks == []
     assert os.listdir(small_tmpfs / "rank0") == []

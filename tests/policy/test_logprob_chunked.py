@@ -40,8 +40,13 @@ def test_chunked_gradients_match_reference(dtype, entropy_requires_grad):
     w_lp, w_ent = torch.randn(T, generator=g), torch.randn(T, generator=g)
 
     lp, ent = log_probs_and_entropy(
-        logits, tokens, temperature=0.7, chunk_size=8, with_entropy=True,
-        entropy_requires_grad=entropy_requires_grad, impl="eager",
+        logits,
+        tokens,
+        temperature=0.7,
+        chunk_size=8,
+        with_entropy=True,
+        entropy_requires_grad=entropy_requires_grad,
+        impl="eager",
     )
     loss = (lp * w_lp).sum() + ((ent * w_ent).sum() if entropy_requires_grad else 0)
     (grad,) = torch.autograd.grad(loss, logits)
@@ -76,7 +81,12 @@ def test_log_softmax_only_sees_fp32_chunks_of_chunk_size_rows():
     logits, tokens = _inputs(torch.bfloat16, T=T_big, requires_grad=True)
     with _RecordFP32Shapes() as rec:
         lp, ent = log_probs_and_entropy(
-            logits, tokens, temperature=0.7, chunk_size=C, with_entropy=True, entropy_requires_grad=True,
+            logits,
+            tokens,
+            temperature=0.7,
+            chunk_size=C,
+            with_entropy=True,
+            entropy_requires_grad=True,
             impl="eager",
         )
         (lp.sum() + ent.sum()).backward()

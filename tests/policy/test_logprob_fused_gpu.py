@@ -42,20 +42,30 @@ def test_fused_log_probs_matches_reference(dtype, temperature):
 def test_fused_gradients_match_reference(dtype, entropy_requires_grad):
     logits, tokens = _inputs(dtype, requires_grad=True)
     g = torch.Generator(device="cuda").manual_seed(1)
-    w_lp, w_ent = torch.randn(logits.shape[0], generator=g, device="cuda"), torch.randn(
-        logits.shape[0], generator=g, device="cuda"
+    w_lp, w_ent = (
+        torch.randn(logits.shape[0], generator=g, device="cuda"),
+        torch.randn(logits.shape[0], generator=g, device="cuda"),
     )
 
     def grad_of(lp, ent):
         loss = (lp * w_lp).sum() + ((ent * w_ent).sum() if entropy_requires_grad else 0)
         return torch.autograd.grad(loss, logits)[0]
 
-    grad = grad_of(*log_probs_and_entropy(
-        logits, tokens, temperature=0.7, with_entropy=True, entropy_requires_grad=entropy_requires_grad, impl="fused"
-    ))
+    grad = grad_of(
+        *log_probs_and_entropy(
+            logits,
+            tokens,
+            temperature=0.7,
+            with_entropy=True,
+            entropy_requires_grad=entropy_requires_grad,
+            impl="fused",
+        )
+    )
     grad_ref = grad_of(*full_fp32_log_probs_and_entropy(logits, tokens, temperature=0.7))
     assert grad.dtype == dtype
-    torch.testing.assert_close(grad.float(), grad_ref.float(), atol=1e-6, rtol=2**-7 if dtype != torch.float32 else 1e-4)
+    torch.testing.assert_close(
+        grad.float(), grad_ref.float(), atol=1e-6, rtol=2**-7 if dtype != torch.float32 else 1e-4
+    )
 
 
 def test_fused_matches_eager_on_a_strided_view_and_ragged_rows():

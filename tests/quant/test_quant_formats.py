@@ -49,9 +49,9 @@ def test_fp8_blockwise_matches_reference():
     xn, ref = x.numpy(), np.empty((256, 384), np.float32)
     for i in range(2):
         for j in range(3):
-            tile = xn[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128]
+            tile = xn[i * 128 : (i + 1) * 128, j * 128 : (j + 1) * 128]
             s = np.float32(np.abs(tile).max()) / np.float32(448)
-            ref[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128] = nearest(tile / s, E4M3_TABLE, 448) * s
+            ref[i * 128 : (i + 1) * 128, j * 128 : (j + 1) * 128] = nearest(tile / s, E4M3_TABLE, 448) * s
     q = quantize_fp8_blockwise(x, "w")
     assert q.scale_inv.shape == (2, 4)  # 3 scale columns padded to 4
     np.testing.assert_array_equal(dequantize_fp8(q).numpy(), ref)
@@ -62,10 +62,10 @@ def test_mxfp8_matches_reference_with_power_of_two_scales():
     xn, ref, exps = x.numpy(), np.empty((8, 96), np.float32), np.empty((8, 3))
     for r in range(8):
         for b in range(3):
-            blk = xn[r, b * 32:(b + 1) * 32]
+            blk = xn[r, b * 32 : (b + 1) * 32]
             e = math.floor(math.log2(float(np.abs(blk).max()))) - 8
             exps[r, b] = e
-            ref[r, b * 32:(b + 1) * 32] = nearest(blk / np.float32(2.0 ** e), E4M3_TABLE, 448) * np.float32(2.0 ** e)
+            ref[r, b * 32 : (b + 1) * 32] = nearest(blk / np.float32(2.0**e), E4M3_TABLE, 448) * np.float32(2.0**e)
     q = quantize_mxfp8(x, "w")
     assert q.scale_inv.dtype == torch.float8_e8m0fnu and q.scale_inv.shape == (128, 4)
     np.testing.assert_array_equal(q.scale_inv.view(torch.uint8)[:8, :3].numpy().astype(int) - 127, exps)
@@ -80,10 +80,10 @@ def test_nvfp4_matches_reference(block):
     ref = np.empty_like(xn)
     for r in range(0, 32, br):
         for c in range(0, 48, 16):
-            tile = xn[r:r + br, c:c + 16]
+            tile = xn[r : r + br, c : c + 16]
             s = nearest(np.array([np.float32(np.abs(tile).max()) / np.float32(6) / g]), E4M3_TABLE, 448)[0]
             decode = np.float32(s) * g
-            ref[r:r + br, c:c + 16] = nearest(tile / decode, E2M1_TABLE, 6) * decode
+            ref[r : r + br, c : c + 16] = nearest(tile / decode, E2M1_TABLE, 6) * decode
     q = quantize_nvfp4(x, "w", block)
     assert q.data.shape == (32, 24) and q.global_scale.dtype == torch.float32
     assert q.scale_inv.dtype == torch.float8_e4m3fn and q.scale_inv.shape == (128, 4)
@@ -98,7 +98,7 @@ def test_nvfp4_packs_two_codes_per_byte_low_nibble_first():
     assert unpack_pairs(q.data)[0, :2].tolist() == [1, 15]
 
 
-@pytest.mark.parametrize("recipe,rel", [("fp8", 2 ** -3), ("fp8_block", 2 ** -3), ("mxfp8", 2 ** -3), ("nvfp4", 0.5)])
+@pytest.mark.parametrize("recipe,rel", [("fp8", 2**-3), ("fp8_block", 2**-3), ("mxfp8", 2**-3), ("nvfp4", 0.5)])
 def test_round_trip_error_is_within_format_precision(recipe, rel):
     w = torch.randn(256, 256, generator=torch.Generator().manual_seed(4))
     back = dequantize(quantize_weight(w, recipe, "w"))
@@ -115,8 +115,10 @@ def test_columnwise_copy_decodes_to_the_transpose_for_square_blocks(recipe):
     assert torch.equal(dequantize(row), dequantize(col).t())
 
 
-@pytest.mark.parametrize("recipe,shape,block", [("mxfp8", (64, 48), "1x32"), ("fp8_block", (128, 192), "128x128"),
-                                                ("nvfp4", (24, 32), "16x16")])
+@pytest.mark.parametrize(
+    "recipe,shape,block",
+    [("mxfp8", (64, 48), "1x32"), ("fp8_block", (128, 192), "128x128"), ("nvfp4", (24, 32), "16x16")],
+)
 def test_indivisible_layout_names_the_tensor_and_the_block(recipe, shape, block):
     with pytest.raises(ValueError, match=rf"layers\.0\.q_proj\.weight.*{block}"):
         check_weight_layout(shape, recipe, "layers.0.q_proj.weight")

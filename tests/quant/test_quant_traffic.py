@@ -9,8 +9,15 @@ import torch
 
 from miles.bench.moe_model import SIZES, TinyMoE
 from miles.bench.quant_traffic import measure_recipe
-from miles.memory.traffic import (BYTES_PER_ELEMENT, RECIPES, WeightShape, copy_bytes, offload_bytes,
-                                  weight_shapes, workspace_share)
+from miles.memory.traffic import (
+    BYTES_PER_ELEMENT,
+    RECIPES,
+    WeightShape,
+    copy_bytes,
+    offload_bytes,
+    weight_shapes,
+    workspace_share,
+)
 
 CONFIGS = Path("/work/shared/model-configs")
 CFG = SIZES["cpu"]  # 1 layer, 4 experts: every dim a multiple of 128, so every recipe fits
@@ -44,13 +51,21 @@ def test_small_layers_pay_scale_tile_padding():
 def test_training_keeps_two_copies_and_inference_one():
     w = WeightShape("w", 4096, 4096, count=3)
     from miles.memory.traffic import workspace_bytes
+
     assert workspace_bytes(w, "mxfp8", training=True) == 2 * workspace_bytes(w, "mxfp8", training=False)
     assert workspace_bytes(WeightShape("e", 4096, 4096, quantized=False), "mxfp8") == 0
 
 
-@pytest.mark.parametrize("name,billions,tol", [("deepseek-v4-flash", 284, 0.01), ("deepseek-v3", 671, 0.01),
-                                               ("glm-4.5", 355, 0.015), ("qwen3-30b-a3b", 30.5, 0.01),
-                                               ("qwen3-8b", 8.2, 0.01)])
+@pytest.mark.parametrize(
+    "name,billions,tol",
+    [
+        ("deepseek-v4-flash", 284, 0.01),
+        ("deepseek-v3", 671, 0.01),
+        ("glm-4.5", 355, 0.015),
+        ("qwen3-30b-a3b", 30.5, 0.01),
+        ("qwen3-8b", 8.2, 0.01),
+    ],
+)
 def test_weight_shapes_reproduce_published_parameter_counts(name, billions, tol):
     cfg = json.loads((CONFIGS / f"{name}.json").read_text())
     assert sum(w.numel for w in weight_shapes(cfg)) / 1e9 == pytest.approx(billions, rel=tol)
@@ -73,6 +88,7 @@ def test_clearing_share_and_sharding():
 def test_weight_shapes_cover_every_parameter_of_the_decoder(arch, tie):
     from miles.model.config import ModelConfig
     from miles.model.decoder import build_decoder
+
     cfg = ModelConfig(architecture=arch, tie_word_embeddings=tie, attention_bias=arch == "qwen2")
     model = build_decoder(cfg, seed=0, device="cpu")
     assert sum(w.numel for w in weight_shapes(cfg.to_hf())) == sum(p.numel() for p in model.parameters())

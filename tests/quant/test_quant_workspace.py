@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from miles.bench.quant_traffic import measure_recipe, offload_once, train_step
 from miles.bench.moe_model import SIZES, TinyMoE
+from miles.bench.quant_traffic import measure_recipe, offload_once, train_step
 from miles.quant import apply_precision, clear_quantized_workspaces, quantized_workspace_tensors
 
 CFG = SIZES["cpu"]  # 1 layer, 4 experts: every dim a multiple of 128, so every recipe fits
@@ -50,8 +50,10 @@ def test_clear_on_unrelated_configs_skips_without_error(caplog):
 
 
 def test_bf16_with_cuda_graphs_and_clearing_on_moves_the_same_bytes_as_clearing_off():
-    moved = {clear: offload_once(trained("bf16"), torch.device("cpu"), clear=clear, cuda_graphs_captured=True).moved
-             for clear in (False, True)}
+    moved = {
+        clear: offload_once(trained("bf16"), torch.device("cpu"), clear=clear, cuda_graphs_captured=True).moved
+        for clear in (False, True)
+    }
     assert moved[True] == moved[False]
 
 
@@ -105,6 +107,7 @@ def test_transformer_engine_linear_workspaces_are_cleared():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_graphs_skip_and_move_the_same_bytes_on_the_gpu():
     from miles.bench.quant_traffic import cuda_graph_check
+
     for recipe in ("bf16", "mxfp8"):
         r = cuda_graph_check(CFG, recipe, torch.device("cuda"))
         assert r["same_bytes"] and "CUDA graphs" in r["on"]["skipped_reason"], r

@@ -50,14 +50,16 @@ def test_sampling_is_reproducible_with_a_seed_and_stops_at_stop_tokens(engine):
 
 
 def test_top_p_keeps_only_the_nucleus(engine):
-    outs = engine.generate([_req(str(i), [9, 9], max_new_tokens=1, temperature=1.0, top_p=1e-6) for i in range(6)], seed=1)
+    outs = engine.generate(
+        [_req(str(i), [9, 9], max_new_tokens=1, temperature=1.0, top_p=1e-6) for i in range(6)], seed=1
+    )
     greedy = engine.generate([_req("g", [9, 9], max_new_tokens=1, temperature=0)])[0].output_ids
     assert all(o.output_ids == greedy for o in outs)
 
 
 def test_release_and_resume_free_and_restore_memory(engine):
     ids = [_req("0", [1, 2], max_new_tokens=4, temperature=0)]
-    before = engine.generate(ids)[0].output_ids
+    engine.generate(ids)
     engine.release_memory(["kv_cache", "weights"])
     assert engine.cache.k[0].untyped_storage().nbytes() == 0
     with pytest.raises(EngineError, match="memory is released"):
@@ -70,10 +72,15 @@ def test_release_and_resume_free_and_restore_memory(engine):
 def test_weight_update_is_validated_before_anything_is_written(engine):
     named = engine.named_weights()
     w = {k: v.clone() for k, v in named.items()}
-    bad = [("model.norm.weight", torch.zeros_like(w["model.norm.weight"])), ("model.embed_tokens.weight", torch.zeros(3, 3))]
+    bad = [
+        ("model.norm.weight", torch.zeros_like(w["model.norm.weight"])),
+        ("model.embed_tokens.weight", torch.zeros(3, 3)),
+    ]
     with pytest.raises(EngineError, match="model.embed_tokens.weight: got torch.float32 \\(3, 3\\)"):
         engine.update_weights_from_tensor(bad, version=1)
-    assert torch.equal(engine.named_weights()["model.norm.weight"], w["model.norm.weight"]) and engine.weight_version == 0
+    assert (
+        torch.equal(engine.named_weights()["model.norm.weight"], w["model.norm.weight"]) and engine.weight_version == 0
+    )
     with pytest.raises(EngineError, match="not a parameter"):
         engine.update_weights_from_tensor([("nope", torch.zeros(1))])
 
@@ -81,7 +88,9 @@ def test_weight_update_is_validated_before_anything_is_written(engine):
 def test_abort_finishes_in_flight_requests(engine):
     engine.pause_generation("in_place")  # hold the decode loop so the abort lands mid-generation
     result = {}
-    t = threading.Thread(target=lambda: result.update(o=engine.generate([_req("a", [1], max_new_tokens=40, temperature=0)])))
+    t = threading.Thread(
+        target=lambda: result.update(o=engine.generate([_req("a", [1], max_new_tokens=40, temperature=0)]))
+    )
     t.start()
     time.sleep(0.3)
     engine.abort(["a"])
@@ -90,11 +99,14 @@ def test_abort_finishes_in_flight_requests(engine):
     assert result["o"][0].finish_reason == "abort" and len(result["o"][0].output_ids) < 40
 
 
-@pytest.mark.parametrize("req, message", [
-    (_req("e", []), "input_ids is empty"),
-    (_req("v", [1, 99999]), "outside the vocabulary"),
-    (_req("l", [1] * 40, max_new_tokens=20), "exceeds the engine's max_seq_len 48"),
-])
+@pytest.mark.parametrize(
+    "req, message",
+    [
+        (_req("e", []), "input_ids is empty"),
+        (_req("v", [1, 99999]), "outside the vocabulary"),
+        (_req("l", [1] * 40, max_new_tokens=20), "exceeds the engine's max_seq_len 48"),
+    ],
+)
 def test_bad_requests_get_clear_errors(engine, req, message):
     with pytest.raises(EngineError, match=message):
         engine.generate([req])

@@ -23,8 +23,12 @@ pytestmark = pytest.mark.timeout(120)
 
 @pytest.fixture(scope="module")
 def cfg(tmp_path_factory):
-    return tiny_run_cfg(tmp_path_factory.mktemp("serve"), "rollout.max_batch_size=64", "rollout.max_seq_len=48",
-                        "handoff.engine_host_mirror=true")
+    return tiny_run_cfg(
+        tmp_path_factory.mktemp("serve"),
+        "rollout.max_batch_size=64",
+        "rollout.max_seq_len=48",
+        "handoff.engine_host_mirror=true",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +57,9 @@ def test_seeded_generate_over_http_matches_the_in_process_engine(cfg, client):
     got = client.generate(reqs, seed=11)
     assert [o.output_ids for o in got] == [o.output_ids for o in want]
     for g, w in zip(got, want):
-        torch.testing.assert_close(torch.tensor(g.output_log_probs), torch.tensor(w.output_log_probs), atol=1e-6, rtol=0)
+        torch.testing.assert_close(
+            torch.tensor(g.output_log_probs), torch.tensor(w.output_log_probs), atol=1e-6, rtol=0
+        )
         assert (g.rid, g.finish_reason, g.weight_version) == (w.rid, w.finish_reason, 0)
 
 
@@ -67,9 +73,14 @@ def test_generate_answers_in_sglang_fields(server):
     assert all(lp <= 0 for lp, _, _ in meta["output_token_logprobs"])
     ids = one["output_ids"]
     stop = ids[-1]  # greedy: the same tokens again, now stopping at the first occurrence of the last one
-    batch = httpx.post(server.url + "/generate", json={**body, "input_ids": [[1, 2, 3], [4, 5]],
-                                                         "sampling_params": {"max_new_tokens": 4, "temperature": 0,
-                                                                             "stop_token_ids": [stop]}}).json()
+    batch = httpx.post(
+        server.url + "/generate",
+        json={
+            **body,
+            "input_ids": [[1, 2, 3], [4, 5]],
+            "sampling_params": {"max_new_tokens": 4, "temperature": 0, "stop_token_ids": [stop]},
+        },
+    ).json()
     assert isinstance(batch, list) and len(batch) == 2
     assert batch[0]["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
     assert batch[0]["output_ids"] == ids[: ids.index(stop) + 1]
@@ -87,7 +98,10 @@ def test_release_and_resume_by_tag_frees_and_restores_the_tagged_bytes(client):
     assert client.memory()["tags"]["weights"]["resident_bytes"] == 0
     with pytest.raises(EngineError, match="released"):
         client.generate(_reqs(1))
-    assert client.resume_memory(["weights", "kv_cache"]) == before["weights"]["resident_bytes"] + before["kv_cache"]["resident_bytes"]
+    assert (
+        client.resume_memory(["weights", "kv_cache"])
+        == before["weights"]["resident_bytes"] + before["kv_cache"]["resident_bytes"]
+    )
     assert client.memory()["tags"] == before
     after = client.named_weights()
     assert all(torch.equal(after[k], v) for k, v in weights.items())  # host mirror: restored bit for bit
@@ -152,13 +166,25 @@ def test_abort_reaches_in_flight_and_queued_requests(client):
 def test_bad_input_is_a_4xx_with_a_clear_message_and_the_engine_keeps_serving(server, client):
     url = server.url
     cases = [
-        (httpx.post(url + "/generate", content=b'{"input_ids": [1, 2', headers={"content-type": "application/json"}), "malformed JSON"),
+        (
+            httpx.post(url + "/generate", content=b'{"input_ids": [1, 2', headers={"content-type": "application/json"}),
+            "malformed JSON",
+        ),
         (httpx.post(url + "/generate", json={"text": "hello"}), "takes token ids"),
         (httpx.post(url + "/generate", json={"input_ids": [1, 10**9]}), "outside the vocabulary"),
-        (httpx.post(url + "/generate", json={"input_ids": [1], "sampling_params": {"max_new_tokens": "many"}}), "max_new_tokens"),
-        (httpx.post(url + "/release_memory_occupation", json={"tags": ["kv_cache", "gpu_cache"]}), "unknown memory tag"),
+        (
+            httpx.post(url + "/generate", json={"input_ids": [1], "sampling_params": {"max_new_tokens": "many"}}),
+            "max_new_tokens",
+        ),
+        (
+            httpx.post(url + "/release_memory_occupation", json={"tags": ["kv_cache", "gpu_cache"]}),
+            "unknown memory tag",
+        ),
         (httpx.post(url + "/abort_request", json={}), "needs rid"),
-        (httpx.post(url + "/update_weights_from_tensor", json={"serialized_named_tensors": ["not base64!"]}), "not base64"),
+        (
+            httpx.post(url + "/update_weights_from_tensor", json={"serialized_named_tensors": ["not base64!"]}),
+            "not base64",
+        ),
     ]
     for r, text in cases:
         assert 400 <= r.status_code < 500 and text in r.json()["message"], (r.status_code, r.text)
@@ -177,7 +203,9 @@ def test_two_hundred_concurrent_requests_share_a_few_batches(client):
     start = client._get("/get_load").json()["batches"]
 
     async def fire():
-        outs = await asyncio.gather(*(client.agenerate(_reqs(1, max_new_tokens=4, prefix=f"c{i}-")) for i in range(200)))
+        outs = await asyncio.gather(
+            *(client.agenerate(_reqs(1, max_new_tokens=4, prefix=f"c{i}-")) for i in range(200))
+        )
         await client.aclose()
         return outs
 
@@ -225,9 +253,15 @@ def test_update_weights_from_distributed_lands_a_broadcast_from_rank_0(client):
     for p, m in zip(pieces, metas):
         flat[m.offset : m.offset + m.nbytes].copy_(p.source_bytes())
     client.begin_weight_update(WeightManifest.of(named, fused_group, "shadow"))  # pieces land in an open update
-    t, _ = _in_background(lambda: client.update_weights_from_distributed(
-        [n for n, _ in named], [str(w.dtype).removeprefix("torch.") for _, w in named], [list(w.shape) for _, w in named],
-        "serve-test", version=41))
+    t, _ = _in_background(
+        lambda: client.update_weights_from_distributed(
+            [n for n, _ in named],
+            [str(w.dtype).removeprefix("torch.") for _, w in named],
+            [list(w.shape) for _, w in named],
+            "serve-test",
+            version=41,
+        )
+    )
     broadcast(pg, flat)
     t.join(60)
     assert client.weight_version == 41 and all(torch.equal(client.named_weights()[k], v) for k, v in named)

@@ -14,8 +14,14 @@ from tests.conftest import tiny_run_cfg
 
 @pytest.mark.timeout(240)
 def test_the_rl_loop_runs_over_http_engines_behind_a_router_with_check_weights(tmp_path, ray_session):
-    cfg = tiny_run_cfg(tmp_path, "rollout.engine=http", "rollout.num_engines=2", "sync.check_weights=true",
-                       "num_steps=2", "dump_rollouts=false")
+    cfg = tiny_run_cfg(
+        tmp_path,
+        "rollout.engine=http",
+        "rollout.num_engines=2",
+        "sync.check_weights=true",
+        "num_steps=2",
+        "dump_rollouts=false",
+    )
     rows = train(cfg, progress=False)  # check_weights raises if an engine's weights differ from the trainer's
     assert [r["step"] for r in rows] == [0, 1] and [r["weight_version"] for r in rows] == [0, 1]
     assert all(r["sync/bytes"] > 0 for r in rows)
@@ -40,7 +46,9 @@ def test_a_real_sglang_server_generates_and_releases_memory_through_the_client(t
     model = os.environ.get("MILES_SGLANG_TEST_MODEL", "Qwen/Qwen2.5-0.5B-Instruct")
     client = launch_sglang(model, log_path=str(tmp_path / "sglang.log"))
     try:
-        out = client.generate([GenerateRequest(rid="0", input_ids=[1, 2, 3], sampling=SamplingParams(max_new_tokens=4))])
+        out = client.generate(
+            [GenerateRequest(rid="0", input_ids=[1, 2, 3], sampling=SamplingParams(max_new_tokens=4))]
+        )
         assert len(out[0].output_ids) == 4 and len(out[0].output_log_probs) == 4
         client.release_memory(["kv_cache", "weights"])
         client.resume_memory(["kv_cache", "weights"])
@@ -52,8 +60,15 @@ def test_a_real_sglang_server_generates_and_releases_memory_through_the_client(t
 
 @pytest.mark.timeout(240)
 def test_broadcast_reaches_one_http_engine_server_and_more_than_one_is_refused_with_the_fix(tmp_path, ray_session):
-    cfg = tiny_run_cfg(tmp_path, "rollout.engine=http", "rollout.num_engines=1", "sync.transport=broadcast",
-                       "sync.check_weights=true", "num_steps=2", "dump_rollouts=false")
+    cfg = tiny_run_cfg(
+        tmp_path,
+        "rollout.engine=http",
+        "rollout.num_engines=1",
+        "sync.transport=broadcast",
+        "sync.check_weights=true",
+        "num_steps=2",
+        "dump_rollouts=false",
+    )
     rows = train(cfg, progress=False)  # the server process joins the gloo group and receives every tensor
     assert [r["weight_version"] for r in rows] == [0, 1]
     with pytest.raises(ValueError, match="use sync.transport=tensor or disk-delta, or rollout.num_engines=1"):

@@ -30,7 +30,9 @@ def _boom(prompt, response, target):
 
 def test_a_reward_function_that_raises_names_itself_and_the_sample():
     t = Task(TaskConfig(name="reverse", reward=f"{__name__}:_boom"), seed=0)
-    with pytest.raises(RewardError, match=re.escape(f"reward function {__name__}:_boom raised ZeroDivisionError: bad reward")):
+    with pytest.raises(
+        RewardError, match=re.escape(f"reward function {__name__}:_boom raised ZeroDivisionError: bad reward")
+    ):
         t.score("rev ab=", "ba", "ba")
 
 

@@ -9,8 +9,14 @@ import safetensors.torch
 import torch
 
 from miles.sync.delta_codec import TensorEncoder, apply_delta, checksum
-from miles.sync.safetensors_dtypes import SAFETENSORS_DTYPE, TORCH_DTYPE, Layout, read_header, safetensors_dtype, \
-    torch_dtype
+from miles.sync.safetensors_dtypes import (
+    SAFETENSORS_DTYPE,
+    TORCH_DTYPE,
+    Layout,
+    read_header,
+    safetensors_dtype,
+    torch_dtype,
+)
 from miles.sync.staging_pool import StagingPool, byte_view
 
 
@@ -23,7 +29,7 @@ def _encode(encoding: str, new: torch.Tensor, old: torch.Tensor, buffer_bytes: i
     old_b = _bytes(old)
     enc = TensorEncoder(encoding, nbytes=old_b.size, itemsize=new.element_size())
     for offset, chunk, scratch in pool.stage(new):
-        enc.feed(offset, chunk, old_b[offset:offset + chunk.size], out=scratch)
+        enc.feed(offset, chunk, old_b[offset : offset + chunk.size], out=scratch)
     return enc.finish(), old_b
 
 
@@ -110,8 +116,26 @@ def test_truncated_payload_is_rejected(encoding):
 
 
 def test_dtype_table_round_trips_and_names_unsupported_dtypes():
-    for name in ["F64", "F32", "F16", "BF16", "I64", "I32", "I16", "I8", "U8", "BOOL", "C64", "F8_E4M3", "F8_E5M2",
-                 "U16", "U32", "U64", "F8_E4M3FNUZ", "F8_E5M2FNUZ"]:
+    for name in [
+        "F64",
+        "F32",
+        "F16",
+        "BF16",
+        "I64",
+        "I32",
+        "I16",
+        "I8",
+        "U8",
+        "BOOL",
+        "C64",
+        "F8_E4M3",
+        "F8_E5M2",
+        "U16",
+        "U32",
+        "U64",
+        "F8_E4M3FNUZ",
+        "F8_E5M2FNUZ",
+    ]:
         assert safetensors_dtype(torch_dtype(name)) == name
     with pytest.raises(ValueError, match="torch.complex128 has no safetensors dtype"):
         safetensors_dtype(torch.complex128)
@@ -167,7 +191,7 @@ def test_sparse_xor_in_place_patch_matches_apply_reference(numel):
     old_b = _bytes(old)
     enc = TensorEncoder("sparse_xor", nbytes=old_b.size, itemsize=2)
     for offset, chunk, scratch in StagingPool(num_buffers=2, buffer_bytes=64).stage(new):
-        enc.feed(offset, chunk, old_b[offset:offset + chunk.size], out=scratch)
+        enc.feed(offset, chunk, old_b[offset : offset + chunk.size], out=scratch)
     payload, _ = enc.finish()
     reference = apply_delta("sparse_xor", payload, old_b, 2)
     enc.apply_in_place(old_b)

@@ -15,8 +15,16 @@ from miles.rollout.engine import EmbeddedEngine, GenerateRequest
 from miles.sync.delta_version import published_versions
 from miles.sync.disk_delta import DiskDeltaConfig, DiskDeltaSync
 
-TINY = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                   num_key_value_heads=1, max_position_embeddings=32, dtype="bfloat16")
+TINY = ModelConfig(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    max_position_embeddings=32,
+    dtype="bfloat16",
+)
 
 
 def _adamw_step(model, optimizer, seed: int) -> None:
@@ -33,11 +41,13 @@ def _adamw_step(model, optimizer, seed: int) -> None:
 def test_embedded_engine_matches_trainer_after_each_disk_delta_sync(tmp_path):
     trainer = build_decoder(TINY, seed=0)
     save_hf(trainer, tmp_path / "ckpt")
-    engine = EmbeddedEngine(dataclasses.replace(TINY, checkpoint=str(tmp_path / "ckpt")), max_batch_size=2,
-                            max_seq_len=32)
+    engine = EmbeddedEngine(
+        dataclasses.replace(TINY, checkpoint=str(tmp_path / "ckpt")), max_batch_size=2, max_seq_len=32
+    )
     optimizer = torch.optim.AdamW(trainer.parameters(), lr=1e-3)
-    sync = DiskDeltaSync(DiskDeltaConfig(root=str(tmp_path / "weights"), baseline=str(tmp_path / "ckpt"),
-                                         check_weights=True))
+    sync = DiskDeltaSync(
+        DiskDeltaConfig(root=str(tmp_path / "weights"), baseline=str(tmp_path / "ckpt"), check_weights=True)
+    )
     sync.connect([engine])
     for version in (1, 2, 3):
         _adamw_step(trainer, optimizer, seed=version)

@@ -22,6 +22,7 @@ TIMEOUT_S = 40
 
 # -- what each rank emits, and a small real receiver ---------------------------------------------------------
 
+
 def trainer_tensors(rank: int, step: int = 0, *, diverge: bool = False) -> dict[str, torch.Tensor]:
     """Rank r owns layers.r.w; both ranks emit the replicated shared.scale (identical unless ``diverge``)."""
     g = torch.Generator().manual_seed(100 * rank + step)
@@ -53,6 +54,7 @@ class TensorEngine:
 
 # -- rank processes ------------------------------------------------------------------------------------------
 
+
 def _run_case(rank: int, case: dict) -> dict:
     from miles.sync.delta_version import published_versions
     from miles.sync.disk_delta import DiskDeltaConfig, DiskDeltaSync
@@ -75,13 +77,17 @@ def _run_case(rank: int, case: dict) -> dict:
     except Exception as e:
         out["error"] = f"{type(e).__name__}: {e}"
     out["published"] = published_versions(case["root"])
-    out["leftovers"] = sorted(p for p in os.listdir(case["root"]) if p.startswith(".")) if os.path.isdir(case["root"]) else []
+    out["leftovers"] = (
+        sorted(p for p in os.listdir(case["root"]) if p.startswith(".")) if os.path.isdir(case["root"]) else []
+    )
     if engine:
         out["engine_unchanged"] = all(torch.equal(before[k], engine.weights[k]) for k in before)
         out["engine_version"] = engine.weight_version
         out["engine_equals_trainer"] = all(
-            torch.equal(engine.weights[k], v) for r in range(WORLD)
-            for k, v in trainer_tensors(r, case.get("num_steps", 1)).items())
+            torch.equal(engine.weights[k], v)
+            for r in range(WORLD)
+            for k, v in trainer_tensors(r, case.get("num_steps", 1)).items()
+        )
     return out
 
 
@@ -89,8 +95,13 @@ def _rank_main(rank: int, init_file: str, inbox, outbox) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
-                            timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=WORLD,
+        timeout=datetime.timedelta(seconds=TIMEOUT_S),
+    )
     while (case := inbox.get()) is not None:
         try:
             outbox.put((rank, _run_case(rank, case)))
@@ -131,6 +142,7 @@ def ranks(tmp_path_factory):
 
 # -- malformed baselines, built as real files ----------------------------------------------------------------
 
+
 def _save(tensors: dict, path) -> str:
     safetensors.torch.save_file({k: v.contiguous() for k, v in tensors.items()}, str(path))
     return str(path)
@@ -139,12 +151,12 @@ def _save(tensors: dict, path) -> str:
 def _rewrite_header(path: str, edit) -> None:
     data = open(path, "rb").read()
     (n,) = struct.unpack("<Q", data[:8])
-    header = json.loads(data[8:8 + n])
+    header = json.loads(data[8 : 8 + n])
     edit(header)
     raw = json.dumps(header).encode()
     raw += b" " * (-len(raw) % 8)
     # keep the data section where it was relative to the new header
-    open(path, "wb").write(struct.pack("<Q", len(raw)) + raw + data[8 + n:])
+    open(path, "wb").write(struct.pack("<Q", len(raw)) + raw + data[8 + n :])
 
 
 def _wrong_dtype(d):
@@ -161,8 +173,10 @@ def _wrong_shape(d):
 
 def _wrong_byte_count(d):
     path = _save(full_baseline(), d / "b.safetensors")
+
     def edit(h):
         h["layers.1.w"]["shape"] = [8, 3]  # offsets still span 64 bytes
+
     _rewrite_header(path, edit)
     return path
 
@@ -175,8 +189,10 @@ def _missing(d):
 
 def _unsupported_dtype(d):
     path = _save(full_baseline(), d / "b.safetensors")
+
     def edit(h):
         h["layers.1.w"]["dtype"] = "F8_E8M0"
+
     _rewrite_header(path, edit)
     return path
 
@@ -225,8 +241,12 @@ CASES = {  # name -> (build baseline, case options, the tensor named, the failin
     "corrupt header": (_corrupt_header, {}, "b.safetensors", 0, ["corrupt header"]),
     "checksum mismatch": (_checksum_mismatch, {}, "layers.1.w", 1, ["checksum mismatch", "BF16[8, 4]"]),
     "duplicate name with different bytes": (
-        lambda d: _save(full_baseline(), d / "b.safetensors"), {"diverge": True}, "shared.scale", 1,
-        ["rank 0 as F32[] (4 bytes)", "rank 1 as F32[] (4 bytes)"]),
+        lambda d: _save(full_baseline(), d / "b.safetensors"),
+        {"diverge": True},
+        "shared.scale",
+        1,
+        ["rank 0 as F32[] (4 bytes)", "rank 1 as F32[] (4 bytes)"],
+    ),
 }
 
 
@@ -249,8 +269,8 @@ def test_malformed_baseline_fails_on_every_rank_naming_tensor_layouts_and_rank(r
 
 @pytest.mark.timeout(120)
 def test_two_ranks_sync_three_versions_and_engine_matches_trainer(ranks, tmp_path):
-    from miles.sync.disk_delta import save_baseline
     from miles.sync.delta_version import read_index
+    from miles.sync.disk_delta import save_baseline
 
     base = str(save_baseline(full_baseline(), tmp_path / "b.safetensors"))
     results = ranks({"root": str(tmp_path / "weights"), "baseline": base, "num_steps": 3})
@@ -280,8 +300,8 @@ def test_engine_rejecting_a_version_fails_every_rank_and_keeps_its_weights(ranks
 
 @pytest.mark.timeout(120)
 def test_round_robin_partition_splits_encoding_of_full_tensors_between_ranks(ranks, tmp_path):
-    from miles.sync.disk_delta import save_baseline
     from miles.sync.delta_version import read_index
+    from miles.sync.disk_delta import save_baseline
 
     base = str(save_baseline(full_baseline(), tmp_path / "b.safetensors"))
     results = ranks({"root": str(tmp_path / "weights"), "baseline": base, "num_steps": 2, "partition": "round_robin"})

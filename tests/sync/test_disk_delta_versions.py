@@ -50,8 +50,13 @@ def test_versions_are_published_whole_with_no_temporary_leftovers(published):
     assert published_versions(published) == [1, 2, 3]
     assert sorted(os.listdir(published)) == ["LATEST", "v00000001", "v00000002", "v00000003"]
     index = read_index(published, 2)
-    assert (index["version"], index["base_version"], index["encoding"], index["compression"], index["checksum"]) == \
-        (2, 1, "sparse_xor", "zstd", "xxh3_128")
+    assert (index["version"], index["base_version"], index["encoding"], index["compression"], index["checksum"]) == (
+        2,
+        1,
+        "sparse_xor",
+        "zstd",
+        "xxh3_128",
+    )
     assert "norm.weight" not in index["tensors"], "unchanged tensors are skipped"
 
 
@@ -118,8 +123,9 @@ def test_engine_behind_a_pruned_version_gets_a_clear_error(tmp_path):
 def test_sync_into_two_receivers_keeps_them_bit_equal_with_check_weights(tmp_path, encoding):
     base = save_baseline(_weights(0), tmp_path / "base.safetensors")
     engines = [Receiver(_weights(0)), Receiver(_weights(0))]
-    sync = DiskDeltaSync(DiskDeltaConfig(root=str(tmp_path / "w"), baseline=str(base), encoding=encoding,
-                                         check_weights=True))
+    sync = DiskDeltaSync(
+        DiskDeltaConfig(root=str(tmp_path / "w"), baseline=str(base), encoding=encoding, check_weights=True)
+    )
     sync.connect(engines)
     for v in (1, 2):
         sync.update(_weights(v).items(), version=v)
@@ -170,8 +176,9 @@ def test_index_lists_every_shard_with_its_size(published):
 def test_cuda_trainer_tensors_sync_into_a_cuda_receiver_bit_exactly(tmp_path):
     base = save_baseline(_weights(0), tmp_path / "base.safetensors")
     engine = Receiver({k: v.cuda() for k, v in _weights(0).items()})
-    sync = DiskDeltaSync(DiskDeltaConfig(root=str(tmp_path / "w"), baseline=str(base), check_weights=True,
-                                         staging_buffer_bytes=64))  # many chunks per tensor
+    sync = DiskDeltaSync(
+        DiskDeltaConfig(root=str(tmp_path / "w"), baseline=str(base), check_weights=True, staging_buffer_bytes=64)
+    )  # many chunks per tensor
     sync.connect([engine])
     for v in (1, 2):
         sync.update({k: t.cuda() for k, t in _weights(v).items()}.items(), version=v)

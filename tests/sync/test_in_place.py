@@ -11,18 +11,27 @@ from miles.config import SyncConfig
 from miles.model.config import ModelConfig
 from miles.model.decoder import build_decoder
 from miles.rollout.engine import EmbeddedEngine
-from miles.sync.check import check_weights
 from miles.sync.base import SyncError
+from miles.sync.check import check_weights
 from miles.sync.in_place import InPlaceSync
 from tests.conftest import in_place_versions
 
-CFG = ModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                  max_position_embeddings=32)
+CFG = ModelConfig(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=32,
+)
 
 
 def test_a_trainer_whose_tensors_move_every_sync_still_syncs_bit_equal_and_is_told_to_use_buckets(caplog):
-    named = [(n, t.detach().clone()) for n, t in build_decoder(CFG, seed=1).hf_state_dict().items()
-             if n != "lm_head.weight" or not CFG.tie_word_embeddings]
+    named = [
+        (n, t.detach().clone())
+        for n, t in build_decoder(CFG, seed=1).hf_state_dict().items()
+        if n != "lm_head.weight" or not CFG.tie_word_embeddings
+    ]
     engine = EmbeddedEngine(CFG, max_batch_size=1, max_seq_len=8)
     sync = InPlaceSync(SyncConfig(source="in_place"), "cpu")
     sync.connect([engine])
@@ -39,8 +48,11 @@ def test_a_doorbell_runs_every_update_after_the_first_and_a_failed_ring_keeps_th
     """The first update goes by call and opens the engine's doorbell; later ones ring it (same receiver, same
     checks). A ring the engine cannot serve (its weights released) comes back as a SyncError naming the cause, the
     engine keeps the version it had, and the next update goes by call again."""
-    named = [(n, t.detach().clone()) for n, t in build_decoder(CFG, seed=1).hf_state_dict().items()
-             if n != "lm_head.weight" or not CFG.tie_word_embeddings]
+    named = [
+        (n, t.detach().clone())
+        for n, t in build_decoder(CFG, seed=1).hf_state_dict().items()
+        if n != "lm_head.weight" or not CFG.tie_word_embeddings
+    ]
     engine = EmbeddedEngine(CFG, max_batch_size=1, max_seq_len=8)
     sync = InPlaceSync(SyncConfig(source="in_place", engine_staging="shadow"), "cpu", doorbell=True, timeout_s=30)
     sync.connect([engine])

@@ -8,8 +8,13 @@ import torch
 from miles.sync.base import PieceMeta, WeightManifest, byte_view, fused_group
 from miles.sync.receiver import ReceiveError, WeightReceiver
 
-NAMES = ["model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
-         "model.layers.0.self_attn.v_proj.weight", "model.layers.0.mlp.down_proj.weight", "model.norm.weight"]
+NAMES = [
+    "model.layers.0.self_attn.q_proj.weight",
+    "model.layers.0.self_attn.k_proj.weight",
+    "model.layers.0.self_attn.v_proj.weight",
+    "model.layers.0.mlp.down_proj.weight",
+    "model.norm.weight",
+]
 
 
 def _weights(seed: int) -> dict[str, torch.Tensor]:

@@ -28,8 +28,15 @@ class _Recorded:
     """An embedded engine's weight-update methods, with every call the sync makes recorded; ``two`` adds the
     two-call form (UpdateCalls), otherwise the engine takes the steps one by one."""
 
-    STEPS = ("pause_generation", "flush_cache", "begin_weight_update", "set_weight_version", "continue_generation",
-             "abort_weight_update", "update_weights_from_bucket")
+    STEPS = (
+        "pause_generation",
+        "flush_cache",
+        "begin_weight_update",
+        "set_weight_version",
+        "continue_generation",
+        "abort_weight_update",
+        "update_weights_from_bucket",
+    )
 
     def __init__(self, engine, two: bool):
         self.engine, self.calls = engine, []
@@ -40,6 +47,7 @@ class _Recorded:
         def call(*args, **kwargs):
             self.calls.append(name)
             return fn(*args, **kwargs)
+
         return call
 
 
@@ -53,10 +61,19 @@ def test_a_bucketed_sync_takes_two_engine_calls_around_its_buckets_where_the_eng
     from miles.sync.check import check_weights
     from miles.sync.tensor import TensorSync
 
-    cfg = ModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=32)
-    named = [(n, t.detach().clone() + 0.5) for n, t in build_decoder(cfg, seed=2).hf_state_dict().items()
-             if n != "lm_head.weight" or not cfg.tie_word_embeddings]
+    cfg = ModelConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+    )
+    named = [
+        (n, t.detach().clone() + 0.5)
+        for n, t in build_decoder(cfg, seed=2).hf_state_dict().items()
+        if n != "lm_head.weight" or not cfg.tie_word_embeddings
+    ]
     engine = EmbeddedEngine(cfg, max_batch_size=1, max_seq_len=8)
     rec = _Recorded(engine, two)
     sync = TensorSync(SyncConfig(update_weight_buffer_size=1 << 20), "cpu")
@@ -64,9 +81,11 @@ def test_a_bucketed_sync_takes_two_engine_calls_around_its_buckets_where_the_eng
     sync.update(named, 1)
     check_weights(named, engine.named_weights())
     around = [c for c in rec.calls if c != "update_weights_from_bucket"]
-    assert around == (["open_weight_update", "commit_weight_update"] if two else
-                      ["pause_generation", "flush_cache", "begin_weight_update", "set_weight_version",
-                       "continue_generation"])
+    assert around == (
+        ["open_weight_update", "commit_weight_update"]
+        if two
+        else ["pause_generation", "flush_cache", "begin_weight_update", "set_weight_version", "continue_generation"]
+    )
     assert engine.weight_version == 1 and engine._running.is_set()
 
     rec.calls.clear()

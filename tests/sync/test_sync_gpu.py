@@ -46,11 +46,22 @@ def test_in_place_sync_reads_the_trainer_weights_through_ipc_opened_once_bit_equ
 
     ray = ray_session
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    cfg = ModelConfig(vocab_size=4096, hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=4,
-                      num_key_value_heads=2, dtype="bfloat16", max_position_embeddings=64)
+    cfg = ModelConfig(
+        vocab_size=4096,
+        hidden_size=256,
+        intermediate_size=704,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        dtype="bfloat16",
+        max_position_embeddings=64,
+    )
     named = [(n, t.detach().contiguous()) for n, t in build_decoder(cfg, seed=3, device="cuda").hf_state_dict().items()]
-    engine = ray.remote(EmbeddedEngine).options(num_gpus=0.5, num_cpus=0).remote(cfg, max_batch_size=1, max_seq_len=8,
-                                                                                 device="cuda", seed=0)
+    engine = (
+        ray.remote(EmbeddedEngine)
+        .options(num_gpus=0.5, num_cpus=0)
+        .remote(cfg, max_batch_size=1, max_seq_len=8, device="cuda", seed=0)
+    )
     sync = InPlaceSync(SyncConfig(source="in_place", engine_staging="direct"), "cuda")
     sync.connect([engine])
     before = ray.get(engine.__ray_call__.remote(_engine_bytes_allocated))

@@ -51,10 +51,16 @@ def test_buckets_stay_under_the_limit_and_never_split_a_group(tiny_model_cfg):
 
 
 def test_experts_of_a_layer_travel_together_even_when_interleaved():
-    named = [(f"model.layers.0.mlp.experts.{e}.{w}_proj.weight", torch.zeros(8, 8)) for e in range(4) for w in ("gate", "up", "down")]
+    named = [
+        (f"model.layers.0.mlp.experts.{e}.{w}_proj.weight", torch.zeros(8, 8))
+        for e in range(4)
+        for w in ("gate", "up", "down")
+    ]
     buckets = list(plan_buckets(named, 4 * 2 * aligned(256)))
-    assert [sorted({fused_group(p.name) for p in b}) for b in buckets] == [["model.layers.0.mlp.experts.w13"],
-                                                                           ["model.layers.0.mlp.experts.w2"]]
+    assert [sorted({fused_group(p.name) for p in b}) for b in buckets] == [
+        ["model.layers.0.mlp.experts.w13"],
+        ["model.layers.0.mlp.experts.w2"],
+    ]
 
 
 def test_a_group_larger_than_the_bucket_grows_it_with_one_warning(tiny_model_cfg, caplog):
@@ -74,7 +80,9 @@ def test_split_mode_cuts_a_large_group_into_aligned_pieces_that_cover_every_byte
     assert all(sum(aligned(p.nbytes) for p in b) <= 4096 for b in buckets)
     assert _covered(buckets) == {n: t.numel() * t.element_size() for n, t in named}
     assert all(p.start % ALIGN == 0 for b in buckets for p in b)
-    qkv = [i for i, b in enumerate(buckets) for p in b if fused_group(p.name) == "model.layers.0.self_attn.qkv_proj.weight"]
+    qkv = [
+        i for i, b in enumerate(buckets) for p in b if fused_group(p.name) == "model.layers.0.self_attn.qkv_proj.weight"
+    ]
     assert len(set(qkv)) > 1  # this fused parameter really is cut across rounds
 
 
@@ -85,16 +93,23 @@ def _engine(cfg):
 def test_direct_staging_applies_a_fused_group_only_when_all_its_shards_arrived(tiny_model_cfg):
     engine = _engine(tiny_model_cfg)
     new = dict(_named(tiny_model_cfg, 7))
-    group = ["model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
-             "model.layers.0.self_attn.v_proj.weight"]
+    group = [
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.0.self_attn.k_proj.weight",
+        "model.layers.0.self_attn.v_proj.weight",
+    ]
     before = {n: engine.named_weights()[n].clone() for n in group}
     engine.begin_weight_update(WeightManifest.of([(n, new[n]) for n in group], fused_group, "direct"))
     r = engine.weight_receiver()
     q = byte_view(new[group[0]])
     r.receive([(PieceMeta(group[0], 0, q.numel()), q), (PieceMeta(group[1], 0, 1024), byte_view(new[group[1]])[:1024])])
     assert weights_differ(before, engine.named_weights()) == []  # nothing written: k and v are incomplete
-    r.receive([(PieceMeta(group[1], 0, 1024, start=1024), byte_view(new[group[1]])[1024:]),
-               (PieceMeta(group[2], 0, 2048), byte_view(new[group[2]]))])
+    r.receive(
+        [
+            (PieceMeta(group[1], 0, 1024, start=1024), byte_view(new[group[1]])[1024:]),
+            (PieceMeta(group[2], 0, 2048), byte_view(new[group[2]])),
+        ]
+    )
     engine.set_weight_version(5)
     check_weights({n: new[n] for n in group}, engine.named_weights())
     assert engine.weight_version == 5

@@ -29,7 +29,11 @@ def actors(ray_session, tmp_path_factory):
     cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the helpers below run inside the actors
     cfg = tiny_run_cfg(tmp_path_factory.mktemp("sync"), f"sync.update_weight_buffer_size={BUCKET}", "device=cpu")
     trainer = ray.remote(TrainActor).options(num_cpus=0, **actor_options(gpus_per_engine=1)).remote(cfg, 0, 1)
-    engine = ray.remote(RolloutManager).options(num_cpus=0, enable_tensor_transport=True, max_concurrency=4).remote(cfg, "cpu")
+    engine = (
+        ray.remote(RolloutManager)
+        .options(num_cpus=0, enable_tensor_transport=True, max_concurrency=4)
+        .remote(cfg, "cpu")
+    )
     ray.get([trainer.ready.remote(), engine.weight_versions.remote()])
     yield ray, trainer, engine
     ray.get(trainer.__ray_call__.remote(_close_all))
@@ -47,9 +51,16 @@ def _use(actor, transport: str, engines) -> None:
     syncs = actor.__dict__.setdefault("_syncs", {})
     if transport not in syncs:
         name, source, bell = (transport.split(":") + ["", ""])[:3]
-        cfg = replace(actor.cfg, sync=replace(actor.cfg.sync, transport=name, source=source or "bucket",
-                                              rdt_transport="gloo" if name == "rdt" else "auto"),
-                      handoff=replace(actor.cfg.handoff, offload_train="none" if source else actor.cfg.handoff.offload_train))
+        cfg = replace(
+            actor.cfg,
+            sync=replace(
+                actor.cfg.sync,
+                transport=name,
+                source=source or "bucket",
+                rdt_transport="gloo" if name == "rdt" else "auto",
+            ),
+            handoff=replace(actor.cfg.handoff, offload_train="none" if source else actor.cfg.handoff.offload_train),
+        )
         syncs[transport] = make_sync(cfg, "cpu", is_source=True)
         if bell:
             syncs[transport].doorbell = True
@@ -169,8 +180,11 @@ def test_an_engine_asked_for_handles_it_never_opened_refuses_instead_of_reading_
         OpenedWeights().get(SharedWeights("abc", WeightManifest(()), None))
 
 
-@pytest.mark.parametrize("options", [dict(enable_tensor_transport=True, max_concurrency=1),
-                                     dict(enable_tensor_transport=False, max_concurrency=1)], ids=["one-slot", "plain"])
+@pytest.mark.parametrize(
+    "options",
+    [dict(enable_tensor_transport=True, max_concurrency=1), dict(enable_tensor_transport=False, max_concurrency=1)],
+    ids=["one-slot", "plain"],
+)
 def test_rdt_on_a_trainer_actor_ray_would_starve_fails_fast_instead_of_hanging(actors, options):
     ray, _, engine = actors
 
@@ -185,7 +199,8 @@ def test_rdt_on_a_trainer_actor_ray_would_starve_fails_fast_instead_of_hanging(a
 
 
 def test_a_doorbell_rung_in_another_process_syncs_bit_equal_and_a_dead_engine_fails_the_sync_instead_of_hanging(
-        ray_session):
+    ray_session,
+):
     """This process is the trainer; an embedded engine in a Ray actor opens its doorbell at the first (called)
     update and is rung for the rest. Killing the engine process turns the next update into a SyncError at once."""
     import time
@@ -198,10 +213,19 @@ def test_a_doorbell_rung_in_another_process_syncs_bit_equal_and_a_dead_engine_fa
     from miles.sync.in_place import InPlaceSync
 
     ray = ray_session
-    cfg = ModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=32)
-    named = [(n, t.detach().clone()) for n, t in build_decoder(cfg, seed=5).hf_state_dict().items()
-             if n != "lm_head.weight" or not cfg.tie_word_embeddings]
+    cfg = ModelConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+    )
+    named = [
+        (n, t.detach().clone())
+        for n, t in build_decoder(cfg, seed=5).hf_state_dict().items()
+        if n != "lm_head.weight" or not cfg.tie_word_embeddings
+    ]
     engine = ray.remote(EmbeddedEngine).options(num_cpus=0).remote(cfg, max_batch_size=1, max_seq_len=8)
     sync = InPlaceSync(SyncConfig(source="in_place", engine_staging="direct"), "cpu", doorbell=True, timeout_s=60)
     sync.connect([engine])

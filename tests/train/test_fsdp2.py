@@ -1,6 +1,5 @@
 """FSDP2 over two real gloo processes gives the same update as one process on the whole batch."""
 
-import os
 import socket
 
 import pytest
@@ -11,7 +10,9 @@ from miles.config import TrainerConfig
 from miles.model.config import ModelConfig
 from tests.train.test_torch_backend import _batch
 
-CFG = ModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+CFG = ModelConfig(
+    hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+)
 
 
 def _equal_length_batch():

@@ -21,14 +21,25 @@ from miles.policy.logprob import log_probs_and_entropy
 from miles.policy.loss import masked_mean
 from miles.train.batch import TrainBatch
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="needs megatron-core")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="needs megatron-core"),
+]
 GIB = 2**30
 
 
 def _cfg(**kw) -> ModelConfig:
-    base = dict(architecture="qwen2", vocab_size=1024, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
-                num_attention_heads=8, num_key_value_heads=2, dtype="bfloat16", max_position_embeddings=512)
+    base = dict(
+        architecture="qwen2",
+        vocab_size=1024,
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        dtype="bfloat16",
+        max_position_embeddings=512,
+    )
     return ModelConfig(**(base | kw))
 
 
@@ -36,7 +47,7 @@ def _batch(cfg: ModelConfig, N=4, L=96, seed=0) -> TrainBatch:
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, cfg.vocab_size, (N, L), generator=g)
     mask = torch.zeros(N, L)
-    mask[:, L // 2:] = 1
+    mask[:, L // 2 :] = 1
     return TrainBatch(tokens, mask, torch.zeros(N, L), torch.randn(N, generator=g), list(range(N)))
 
 
@@ -69,7 +80,9 @@ def test_megatron_log_probs_and_loss_match_the_torch_backend(backends):
     m = batch.loss_mask.bool()
     err_mg, err_tb = (lp_mg - lp_32)[m].abs().max().item(), (lp_tb - lp_32)[m].abs().max().item()
     diff = (lp_mg - lp_tb)[m].abs()
-    print(f"\nparity ({mg.cfg.megatron_attention}): max|mg-fp32|={err_mg:.2e} max|torch_bf16-fp32|={err_tb:.2e} mean|mg-torch|={diff.mean():.2e} max={diff.max():.2e}")
+    print(
+        f"\nparity ({mg.cfg.megatron_attention}): max|mg-fp32|={err_mg:.2e} max|torch_bf16-fp32|={err_tb:.2e} mean|mg-torch|={diff.mean():.2e} max={diff.max():.2e}"
+    )
     assert err_mg <= 2 * err_tb + 1e-3
     assert diff.mean() < 1e-2
     loss = {k: -masked_mean(lp, batch.loss_mask).item() for k, lp in (("mg", lp_mg), ("tb", lp_tb), ("fp32", lp_32))}
@@ -81,7 +94,9 @@ def test_the_policy_path_never_asks_megatron_for_fp32_output(backends):
     _, mg, _, _ = backends
     seen, dtypes = [], []
     f16 = mg.model.module
-    h1 = f16.register_forward_pre_hook(lambda mod, args, kwargs: seen.append(kwargs.get("fp32_output", True)), with_kwargs=True)
+    h1 = f16.register_forward_pre_hook(
+        lambda mod, args, kwargs: seen.append(kwargs.get("fp32_output", True)), with_kwargs=True
+    )
     h2 = f16.register_forward_hook(lambda mod, args, out: dtypes.append(out.dtype))
     try:
         batch = _batch(mg.model_cfg, seed=1)
@@ -160,12 +175,20 @@ def test_policy_forward_peak_at_32k_tokens_and_152k_vocab_is_lower_without_fp32_
     from miles.train.megatron_backend import MegatronBackend
 
     T, V = 32768, 152064
-    cfg = _cfg(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=1,
-               num_key_value_heads=1, max_position_embeddings=T + 8)
+    cfg = _cfg(
+        vocab_size=V,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=1,
+        num_key_value_heads=1,
+        max_position_embeddings=T + 8,
+    )
     # SDPA core attention: the local spec's unfused attention would materialise [32k, 32k] scores and its
     # transient (not the logits) would set the peak being compared
-    mg = MegatronBackend(cfg, TrainerConfig(backend="megatron", megatron_attention="sdpa"), device="cuda", seed=0,
-                         offload_policy="none")
+    mg = MegatronBackend(
+        cfg, TrainerConfig(backend="megatron", megatron_attention="sdpa"), device="cuda", seed=0, offload_policy="none"
+    )
     tokens = torch.randint(0, V, (1, T + 1), device="cuda")
     fp32_logits = T * V * 4
     out = {"tokens": T, "vocab": V, "fp32_logits_gib": fp32_logits / GIB}
@@ -198,8 +221,15 @@ def test_quickstart_rl_learns_in_process_with_each_backend(backend):
     steps = int(os.environ.get("MILES_MEGATRON_RL_STEPS", "40"))
     co = Colocated(cfg, device="cuda")
     c = cfg
-    co.backend = (MegatronBackend if backend == "megatron" else TorchBackend)(c.model, c.trainer, device="cuda", seed=c.seed, temperature=c.rollout.temperature,
-                                 ledger=co.ledger, offload_policy=c.handoff.offload_train)
+    co.backend = (MegatronBackend if backend == "megatron" else TorchBackend)(
+        c.model,
+        c.trainer,
+        device="cuda",
+        seed=c.seed,
+        temperature=c.rollout.temperature,
+        ledger=co.ledger,
+        offload_policy=c.handoff.offload_train,
+    )
     plan = HandoffPlan.from_config(cfg.handoff)
     co.execute(plan.init, version=0)
     co.backend.onload()  # the cpu-peak init plan leaves the trainer offloaded
@@ -215,8 +245,11 @@ def test_quickstart_rl_learns_in_process_with_each_backend(backend):
         m = co.train(batches)
         co.execute(plan.train_to_rollout, version=i + 2)
         rewards.append(metrics["reward"])
-        print(f"{backend} rl step {i:3d} reward {metrics['reward']:.3f} grad_norm {m['grad_norm']:.3f} "
-              f"train/rollout |dlogp| {m['train_rollout_logprob_abs_diff']:.4f}", flush=True)
+        print(
+            f"{backend} rl step {i:3d} reward {metrics['reward']:.3f} grad_norm {m['grad_norm']:.3f} "
+            f"train/rollout |dlogp| {m['train_rollout_logprob_abs_diff']:.4f}",
+            flush=True,
+        )
     if os.environ.get("MILES_RESULTS_DIR"):
         with open(os.path.join(os.environ["MILES_RESULTS_DIR"], f"rl-quickstart-{backend}.gpu.json"), "w") as f:
             json.dump({"warmup_sft_steps": c.trainer.warmup_sft_steps, "rewards": rewards}, f)

@@ -9,13 +9,24 @@ from miles.model.config import ModelConfig
 from miles.model.decoder import build_decoder
 from miles.train.megatron_convert import fuse_qkv, hf_to_megatron, megatron_to_hf, split_qkv
 
-HAS_MEGATRON = importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None
+HAS_MEGATRON = (
+    importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None
+)
 
 
-@pytest.mark.parametrize("tie,bias,heads,kv", [(True, True, 4, 2), (False, False, 4, 1), (True, False, 4, 4), (False, True, 6, 2)])
+@pytest.mark.parametrize(
+    "tie,bias,heads,kv", [(True, True, 4, 2), (False, False, 4, 1), (True, False, 4, 4), (False, True, 6, 2)]
+)
 def test_hf_to_megatron_to_hf_round_trip_is_bit_exact(tie, bias, heads, kv):
-    cfg = ModelConfig(tie_word_embeddings=tie, attention_bias=bias, num_attention_heads=heads, num_key_value_heads=kv,
-                      hidden_size=96, num_hidden_layers=2, architecture="qwen2" if bias else "llama")
+    cfg = ModelConfig(
+        tie_word_embeddings=tie,
+        attention_bias=bias,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        hidden_size=96,
+        num_hidden_layers=2,
+        architecture="qwen2" if bias else "llama",
+    )
     hf = build_decoder(cfg, seed=3).hf_state_dict()
     back = dict(megatron_to_hf(hf_to_megatron(hf, cfg).items(), cfg))
     assert back.keys() == hf.keys()

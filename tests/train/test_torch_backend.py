@@ -15,8 +15,18 @@ def _batch(n=8, seed=0):
     for i in range(n):
         prompt = torch.randint(0, 256, (4,), generator=g).tolist()
         resp = torch.randint(0, 256, (int(torch.randint(2, 6, (1,), generator=g)),), generator=g).tolist()
-        samples.append(Sample(index=i, group=i // 4, prompt="", target="", prompt_ids=prompt, response_ids=resp,
-                              rollout_log_probs=[-5.0] * len(resp), advantage=float(i % 4) - 1.5))
+        samples.append(
+            Sample(
+                index=i,
+                group=i // 4,
+                prompt="",
+                target="",
+                prompt_ids=prompt,
+                response_ids=resp,
+                rollout_log_probs=[-5.0] * len(resp),
+                advantage=float(i % 4) - 1.5,
+            )
+        )
     return collate(samples, pad_id=256)
 
 
