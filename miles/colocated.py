@@ -25,6 +25,7 @@ import torch
 from miles.config import RunConfig
 from miles.handoff import ENGINE_VERBS, HandoffPlan, Step
 from miles.memory import LedgerEvent
+from miles.policy.objective import resolved_trainer
 from miles.rollout.manager import RolloutManager
 from miles.train.torch_backend import TorchBackend
 
@@ -110,7 +111,7 @@ class Colocated:
                 Backend = TorchBackend  # noqa: N806
             self.backend = Backend(
                 c.model,
-                c.trainer,
+                resolved_trainer(c),
                 device=self.device,
                 seed=c.seed,
                 temperature=c.rollout.temperature,
@@ -125,12 +126,12 @@ class Colocated:
         mems = [e.memory for e in self.manager.engines] + ([self.backend.memory] if self.backend else [])
         return sum(m.resident_bytes(t) for m in mems for t in m.tags)
 
-    def train(self, batches) -> dict:
+    def train(self, batches, step: int | None = None) -> dict:
         """One train step on the rank's batch, recorded as a 'train' row (device bytes after it)."""
         if self.device == "cuda":
             torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
-        metrics = self.backend.train_step(batches[0])
+        metrics = self.backend.train_step(batches[0], step=step)
         peak = torch.cuda.max_memory_allocated() if self.device == "cuda" else 0
         self.records.append(
             StepRecord(
@@ -153,7 +154,7 @@ class Colocated:
             batches, metrics = self.manager.generate(i)
             self._drain()
             self.execute(plan.rollout_to_train, phase="rollout_to_train")
-            metrics |= self.train(batches)
+            metrics |= self.train(batches, step=i)
             self.execute(plan.train_to_rollout, version=i + 1, phase="train_to_rollout")
             rows.append(metrics)
         return rows

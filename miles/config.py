@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from miles.model.config import ModelConfig
+from miles.policy.objective import check_objective, check_rollout, check_trainer
 
 ROLLOUT_LEVELS = ("kv_cache", "weight")
 
@@ -47,7 +48,14 @@ class RolloutConfig:
     num_engines: int = 1
     max_batch_size: int = 256  # KV cache rows preallocated per engine
     max_seq_len: int = 0  # KV cache length; 0 = model.max_position_embeddings
-    normalize_advantages_std: bool = True  # GRPO: (r - mean) / std within a group; False: r - mean only
+    # grpo: (r - group mean) / group std; drgrpo: r - group mean; rloo: r - mean of the group's others;
+    # reinforce++: batch-whitened r; reinforce++-baseline: group-centred, then divided by the batch std
+    advantage_estimator: Literal["grpo", "drgrpo", "rloo", "reinforce++", "reinforce++-baseline"] = "grpo"
+    dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal, refill from more prompts
+    dynamic_sampling_max_rounds: int = 4  # generation rounds per step at most (then dropped groups fill the rest)
+    overlong_filter: bool = False  # DAPO: responses cut at max_new_tokens are masked out of the loss
+    overlong_buffer_len: int = 0  # DAPO soft punishment over the last N tokens of the budget; 0 = off
+    overlong_penalty_factor: float = 1.0  # reward penalty at max_new_tokens (linear from 0 over the buffer)
 
     def __post_init__(self):
         for name in ("num_prompts_per_step", "n_samples_per_prompt", "max_new_tokens", "num_engines", "max_batch_size"):
@@ -59,6 +67,7 @@ class RolloutConfig:
             )
         if not 0 < self.top_p <= 1:
             raise ValueError(f"rollout.top_p = {self.top_p} must be in (0, 1]")
+        check_rollout(self)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -74,6 +83,22 @@ class TrainerConfig:
     eps_clip_high: float = 0.28  # upper ratio clip (1 + eps_clip_high)
     kl_coef: float = 0.0  # KL to the initial (reference) policy; 0 keeps no reference model
     entropy_coef: float = 0.0
+    dual_clip: float = 0.0  # c > 1: a negative-advantage token's loss is capped at -c * A (0 = off)
+    # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm (Dr.GRPO's constant)
+    loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = (
+        "token-mean"
+    )
+    loss_norm_tokens: int = 0  # seq-mean-token-sum-norm's constant per sequence; 0 = rollout.max_new_tokens
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"  # per-token estimate of KL(policy || reference)
+    kl_in: Literal["loss", "reward"] = "loss"  # KL as a loss term, or as a per-token reward penalty (reward-to-go)
+    # importance correction with the engine's log-probs: tis = weight min(p_train/p_engine, cap) on each token's
+    # loss; mis = mask tokens whose ratio leaves [1/cap, cap]
+    rollout_correction: Literal["none", "tis", "mis"] = "none"
+    rollout_correction_cap: float = 2.0
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"  # after warmup, per RL step
+    lr_warmup_steps: int = 0  # RL steps of linear warmup from lr / lr_warmup_steps
+    lr_decay_steps: int = 0  # the decay reaches lr * lr_min_ratio at this RL step; 0 = num_steps
+    lr_min_ratio: float = 0.0
     num_minibatches: int = 1  # optimizer steps per rollout batch
     logprob_chunk_size: int = 1024  # tokens per FP32 upcast chunk in the log-prob path
     warmup_sft_steps: int = 0  # supervised steps on reference answers before RL (not counted as RL steps)
@@ -99,6 +124,7 @@ class TrainerConfig:
             raise ValueError("trainer.num_minibatches and trainer.logprob_chunk_size must be >= 1")
         if self.megatron_attention not in ("local", "sdpa"):
             raise ValueError(f"trainer.megatron_attention = {self.megatron_attention!r} must be 'local' or 'sdpa'")
+        check_trainer(self)
         if self.optimizer_offload == "disk" and not self.optimizer_offload_dir:
             raise ValueError(
                 "trainer.optimizer_offload = 'disk' needs trainer.optimizer_offload_dir (a local NVMe directory)"
@@ -272,6 +298,7 @@ class RunConfig:
                 f"group has one receiving rank), not rollout.num_engines = {self.rollout.num_engines}; use "
                 "sync.transport=tensor or disk-delta, or rollout.num_engines=1"
             )
+        check_objective(self)
         h = self.handoff
         if self.sync.source == "in_place":
             why = []

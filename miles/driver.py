@@ -34,7 +34,7 @@ def train(cfg: RunConfig, *, progress: bool = True, stop: threading.Event | None
             t0 = time.perf_counter()
             batches, rollout = book.generate(step)
             moved = c.execute(plan.rollout_to_train)
-            results = c.trainer.call_each("train", batches, want_log_probs=cfg.dump_rollouts)
+            results = c.trainer.call_each("train", batches, want_log_probs=cfg.dump_rollouts, step=step)
             moved |= c.execute(plan.train_to_rollout, version=step + 1)
             book.record(step, rollout, results, moved, time.perf_counter() - t0)
         else:

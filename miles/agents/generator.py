@@ -141,7 +141,7 @@ def generate_batches(manager, step: int):
     the manager; writes per-episode rows to <run_dir>/agent_episodes.jsonl."""
     import torch
 
-    from miles.policy.advantages import group_advantages
+    from miles.policy.advantages import compute_advantages
     from miles.train.batch import collate, shard
 
     t0 = time.perf_counter()
@@ -152,9 +152,7 @@ def generate_batches(manager, step: int):
     r = manager.cfg.rollout
     for s, adv in zip(
         samples,
-        group_advantages(
-            [s.reward for s in samples], [s.group for s in samples], normalize_std=r.normalize_advantages_std
-        ),
+        compute_advantages([s.reward for s in samples], [s.group for s in samples], r.advantage_estimator),
     ):
         s.advantage = adv
     manager.last_samples = samples

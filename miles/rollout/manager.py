@@ -13,7 +13,7 @@ import torch
 from miles.config import RunConfig
 from miles.memory import MemoryLedger
 from miles.model.tokenizer import load_tokenizer
-from miles.policy.advantages import group_advantages
+from miles.policy.advantages import compute_advantages
 from miles.rollout.engine import EmbeddedEngine, GenerateRequest, SamplingParams
 from miles.rollout.sample import Sample
 from miles.rollout.tasks import Task
@@ -114,9 +114,7 @@ class RolloutManager(UpdateCalls):
             s.reward = self.task.score(s.prompt, s.response_text, s.target)
         for s, a in zip(
             samples,
-            group_advantages(
-                [s.reward for s in samples], [s.group for s in samples], normalize_std=r.normalize_advantages_std
-            ),
+            compute_advantages([s.reward for s in samples], [s.group for s in samples], r.advantage_estimator),
         ):
             s.advantage = a
         self.last_samples = samples

@@ -13,6 +13,7 @@ import torch
 
 from miles.config import RunConfig
 from miles.memory import MemoryLedger
+from miles.policy.objective import resolved_trainer
 from miles.threads import actor_options, init_on_compute_thread, on_compute_thread
 
 
@@ -54,7 +55,7 @@ class TrainActor:
         h = cfg.handoff
         self.backend = Backend(
             cfg.model,
-            cfg.trainer,
+            resolved_trainer(cfg),  # run-dependent defaults filled (loss_norm_tokens, lr_decay_steps)
             rank=rank,
             world_size=world_size,
             device=self.device,
@@ -81,8 +82,8 @@ class TrainActor:
         return self.sync.metrics()
 
     @on_compute_thread
-    def train(self, batch, want_log_probs: bool = False) -> tuple[dict, dict]:
-        metrics = self.backend.train_step(batch)
+    def train(self, batch, want_log_probs: bool = False, step: int | None = None) -> tuple[dict, dict]:
+        metrics = self.backend.train_step(batch, step=step)
         lps = {}
         if want_log_probs:
             lp = self.backend.last_log_probs

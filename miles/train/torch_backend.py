@@ -18,8 +18,11 @@ from miles.config import TrainerConfig
 from miles.memory import MemoryLedger, TaggedMemory
 from miles.model.config import ModelConfig
 from miles.model.decoder import build_decoder
+from miles.policy.kl import kl_estimate, kl_penalised_advantages
 from miles.policy.logprob import log_probs_and_entropy
 from miles.policy.loss import masked_mean, policy_loss
+from miles.policy.rollout_correction import correction_weights, mismatch_metrics
+from miles.policy.schedule import lr_at
 from miles.train.batch import TrainBatch
 
 TRAIN_TAGS = ("params", "grads", "optimizer", "quant_workspace")
@@ -128,42 +131,71 @@ class TorchBackend:
         """Per-token log-probs [N, L] of the current policy (position t scores token t)."""
         return self._token_log_probs(self.model, batch.tokens.to(self.device))[0].cpu()
 
-    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+    def train_step(self, batch: TrainBatch, step: int | None = None) -> dict[str, float]:
+        """One rollout batch: ``num_minibatches`` optimizer steps. ``step`` (the RL step) sets the LR schedule."""
         t0 = time.perf_counter()
         self.model.train()
         c = self.cfg
-        minibatches = batch.split(c.num_minibatches)
-        old = [self.forward_logprobs(mb) for mb in minibatches] if c.num_minibatches > 1 else [None] * len(minibatches)
         metrics: dict[str, float] = {}
+        if step is not None:
+            metrics["lr"] = lr_at(
+                step,
+                c.lr,
+                schedule=c.lr_schedule,
+                warmup_steps=c.lr_warmup_steps,
+                decay_steps=c.lr_decay_steps,
+                min_ratio=c.lr_min_ratio,
+            )
+            self.set_lr(metrics["lr"])
+        minibatches = batch.split(c.num_minibatches)
+        # the policy's log-probs before this step's first optimizer step: the ratio's denominator, the mismatch
+        # measure and the rollout correction's numerator (with one minibatch, the training forward gives them)
+        old = [self.forward_logprobs(mb) for mb in minibatches] if c.num_minibatches > 1 else [None] * len(minibatches)
         seen = []
         for mb, old_lp in zip(minibatches, old):
-            tokens, mask = mb.tokens.to(self.device), mb.loss_mask.to(self.device)
-            lp, ent = self._token_log_probs(self.model, tokens, with_entropy=True)
-            ref = self._token_log_probs(self.ref_model, tokens)[0].detach() if self.ref_model is not None else None
-            old_lp = lp.detach() if old_lp is None else old_lp.to(self.device)
-            seen.append(old_lp.cpu())
-            out = policy_loss(
-                lp,
-                old_lp,
-                mb.advantages.to(self.device),
-                mask,
-                kind=c.loss,
-                eps_clip=c.eps_clip,
-                eps_clip_high=c.eps_clip_high,
-                ref_log_probs=ref,
-                kl_coef=c.kl_coef,
-                entropy=ent,
-                entropy_coef=c.entropy_coef,
-            )
+            out, old_lp = self._minibatch_loss(mb, old_lp)
             out.loss.backward()
+            seen.append(old_lp.cpu())
             metrics = _accumulate(metrics, out.metrics, len(minibatches))
-            metrics["train_rollout_logprob_abs_diff"] = metrics.get(
-                "train_rollout_logprob_abs_diff", 0.0
-            ) + masked_mean((lp.detach() - mb.rollout_log_probs.to(self.device)).abs(), mask).item() / len(minibatches)
             metrics["grad_norm"] = self._optimizer_step()
         self.last_log_probs = torch.cat(seen)  # [N, L] log-probs before the update (for dumps and dashboards)
+        metrics |= mismatch_metrics(self.last_log_probs, batch.rollout_log_probs, batch.loss_mask)
         metrics["train_time"] = time.perf_counter() - t0
         return metrics
+
+    def _minibatch_loss(self, mb: TrainBatch, old_lp: torch.Tensor | None):
+        """(LossOutput, old log-probs) of one minibatch under the configured objective."""
+        c = self.cfg
+        tokens, mask = mb.tokens.to(self.device), mb.loss_mask.to(self.device)
+        lp, ent = self._token_log_probs(self.model, tokens, with_entropy=True)
+        ref = self._token_log_probs(self.ref_model, tokens)[0].detach() if self.ref_model is not None else None
+        old_lp = lp.detach() if old_lp is None else old_lp.to(self.device)
+        advantages = mb.advantages.to(self.device)
+        if ref is not None and c.kl_in == "reward":
+            advantages = kl_penalised_advantages(advantages, kl_estimate(old_lp, ref, c.kl_estimator), mask, c.kl_coef)
+        weights, mask, extra = correction_weights(
+            old_lp, mb.rollout_log_probs.to(self.device), mask, c.rollout_correction, c.rollout_correction_cap
+        )
+        out = policy_loss(
+            lp,
+            old_lp,
+            advantages,
+            mask,
+            kind=c.loss,
+            eps_clip=c.eps_clip,
+            eps_clip_high=c.eps_clip_high,
+            dual_clip=c.dual_clip,
+            loss_agg=c.loss_agg,
+            norm_tokens=c.loss_norm_tokens,
+            ref_log_probs=ref if c.kl_in == "loss" else None,
+            kl_coef=c.kl_coef,
+            kl_estimator=c.kl_estimator,
+            entropy=ent,
+            entropy_coef=c.entropy_coef,
+            is_weights=weights if c.rollout_correction == "tis" else None,
+        )
+        out.metrics.update(extra)
+        return out, old_lp
 
     def sft_step(self, batch: TrainBatch) -> dict[str, float]:
         """One supervised step on the response tokens (cross-entropy), e.g. for a warm-up before RL."""

@@ -1,0 +1,43 @@
+"""The train/inference mismatch: how far the engine's log-probs are from the trainer's, and corrections for it.
+
+The engine samples with its own kernels (and maybe another precision), so its log-probs differ from the trainer's
+for the same weights. The honest measure compares the engine with the trainer *before* any optimizer step of the
+step (after one, the difference measures the update). TIS truncates the importance weight
+p_trainer / p_engine at a cap and multiplies it into the policy-gradient loss; MIS masks the tokens whose weight
+leaves [1 / cap, cap] instead (both detached: they reweight, they are not differentiated).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from miles.policy.objective import CORRECTIONS
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (x * mask).sum() / mask.sum().clamp_min(1.0)
+
+
+def mismatch_metrics(trainer_log_probs, engine_log_probs, mask) -> dict[str, float]:
+    """|log p_trainer - log p_engine| (token mean) and KL(engine || trainer) by k3 on the engine's samples."""
+    d = (trainer_log_probs - engine_log_probs).double()  # log(p_trainer / p_engine)
+    m = mask.double()
+    return {
+        "train_rollout_logprob_abs_diff": masked_mean(d.abs(), m).item(),
+        "train_rollout_kl": masked_mean(torch.expm1(d) - d, m).item(),  # exp(d) - 1 - d, exact near 0
+    }
+
+
+def correction_weights(trainer_log_probs, engine_log_probs, mask, kind: str = "none", cap: float = 2.0):
+    """(weights [N, T], mask [N, T], metrics): multiply the per-token policy-gradient terms by ``weights`` and
+    aggregate over ``mask``. ``none`` returns ones and the mask unchanged."""
+    if kind == "none":
+        return torch.ones_like(mask), mask, {}
+    ratio = torch.exp((trainer_log_probs - engine_log_probs).detach())
+    if kind == "tis":
+        weights = ratio.clamp(max=cap)
+        return weights, mask, {"rollout_is/clipped_frac": masked_mean((ratio > cap).float(), mask).item()}
+    if kind == "mis":
+        keep = ((ratio >= 1.0 / cap) & (ratio <= cap)).to(mask.dtype)
+        return torch.ones_like(mask), mask * keep, {"rollout_is/masked_frac": masked_mean(1 - keep, mask).item()}
+    raise ValueError(f"rollout correction {kind!r} is not one of {list(CORRECTIONS)}")
