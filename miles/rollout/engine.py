@@ -255,17 +255,18 @@ class EmbeddedEngine(UpdateCalls):
             raise EngineError(f"weight {name!r} is not a parameter of this model (e.g. {next(iter(self._params))!r})")
         return self._params[name]
 
+    def _check_weight(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+        p = self._target(name)
+        if shape != tuple(p.shape) or dtype != p.dtype:
+            raise EngineError(f"weight {name}: got {dtype} {shape}, the engine holds {p.dtype} {tuple(p.shape)}")
+
     def update_weights_from_tensor(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None
     ) -> None:
         """Copy the named tensors in (all validated before any is written); set ``version`` when given."""
         items = list(named_tensors)
         for name, t in items:
-            p = self._target(name)
-            if tuple(t.shape) != tuple(p.shape) or t.dtype != p.dtype:
-                raise EngineError(
-                    f"weight {name}: got {t.dtype} {tuple(t.shape)}, the engine holds {p.dtype} {tuple(p.shape)}"
-                )
+            self._check_weight(name, t.dtype, tuple(t.shape))
         if self.memory.is_paused("weights"):
             raise EngineError("weights are released; resume_memory(['weights']) before updating them")
         with self._lock, torch.no_grad():
@@ -290,9 +291,10 @@ class EmbeddedEngine(UpdateCalls):
     def update_weights_from_bucket(self, handle, version: int | None = None) -> None:
         """Apply a flat bucket sent by handle (shared memory on CPU, CUDA IPC on GPU; see miles.sync.flat_bucket).
         Inside an update opened by ``begin_weight_update`` the bucket lands in that update instead."""
-        if not hasattr(self, "_opened"):
-            from miles.sync.flat_bucket import OpenedBuffers
+        from miles.sync.flat_bucket import OpenedBuffers, check_handle
 
+        check_handle(handle)  # the handle may come from the network: validated whole before anything is opened
+        if not hasattr(self, "_opened"):
             self._opened = OpenedBuffers()
         if self.weight_receiver().is_open:
             from miles.sync.base import PieceMeta
@@ -303,6 +305,8 @@ class EmbeddedEngine(UpdateCalls):
             if version is not None:
                 self.set_weight_version(version)
             return
+        for m in handle.metas:
+            self._check_weight(m.name, getattr(torch, m.dtype), m.shape)
         self.update_weights_from_tensor(self._opened.tensors(handle), version)
 
     def set_weight_version(self, version: int) -> None:
