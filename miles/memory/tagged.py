@@ -28,6 +28,17 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if hasattr(t, "_local_tensor") else t  # DTensor (FSDP2) shard
 
 
+def _as_dtensor_like(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``local`` (a host view of ``like``'s shard) as a DTensor with ``like``'s mesh, placements and global shape;
+    copied to the mesh's device first, since a collective (NCCL) cannot read a host view of a device shard."""
+    from torch.distributed.tensor import DTensor
+
+    local = local.to(like._local_tensor.device)
+    return DTensor.from_local(
+        local, like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride()
+    )
+
+
 def unique_storages(tensors: Iterable[torch.Tensor]) -> list[torch.UntypedStorage]:
     """One entry per distinct storage (tied weights share one), largest first, empty ones skipped."""
     seen: dict[int, torch.UntypedStorage] = {}
@@ -189,17 +200,23 @@ class TaggedMemory:
         return moved
 
     def backup_view(self, tag: str, t: torch.Tensor) -> torch.Tensor:
-        """The paused tensor ``t`` read from its backup (same dtype, shape and strides), without resuming it."""
+        """The paused tensor ``t`` read from its backup (same dtype, shape and strides), without resuming it.
+
+        For a DTensor (an FSDP2 shard) the backup holds only the local shard: the view takes the local tensor's
+        shape and strides (the global ones run past the shard's bytes) and is wrapped back into a DTensor on the
+        same mesh, so ``full_tensor()`` gathers the whole weight as it does for a resident parameter."""
         entry = self.tags[tag]
         if not entry.is_paused:
             return t
         if entry.backup is None:
             raise ValueError(f"tag {tag!r} was discarded on pause (policy 'discard'); its contents cannot be read")
-        key = _local(t).untyped_storage()._cdata  # the StorageImpl; data_ptr() is 0 once resized to 0
+        local = _local(t)
+        key = local.untyped_storage()._cdata  # the StorageImpl; data_ptr() is 0 once resized to 0
         for s, offset, n in entry.paused:
             if s._cdata == key:
                 raw = entry.backup[offset : offset + n].view(t.dtype)
-                return raw.as_strided(t.shape, t.stride(), raw.storage_offset() + t.storage_offset())
+                view = raw.as_strided(local.shape, local.stride(), raw.storage_offset() + local.storage_offset())
+                return view if local is t else _as_dtensor_like(view, t)
         raise KeyError(f"tensor is not part of tag {tag!r}")
 
     def _allocate_backup(self, tag: str, policy: str, nbytes: int) -> torch.Tensor:

@@ -54,3 +54,36 @@ def test_fsdp2_two_ranks_match_a_single_process_step(tmp_path):
     single.train_step(_equal_length_batch())
     for name, w in single.named_weights():
         torch.testing.assert_close(sharded[name], w, atol=2e-6, rtol=1e-5)
+
+
+def _rank_syncs_from_host_offload(rank, port, out):
+    import torch.distributed as dist
+
+    from miles.rollout.engine import EmbeddedEngine
+    from miles.train.torch_backend import TorchBackend
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    b = TorchBackend(CFG, TrainerConfig(), rank=rank, world_size=2, offload_policy="host")
+    b.train_step(_equal_length_batch().split(2)[rank])
+    resident = {k: v.clone() for k, v in b.named_weights()}
+    b.sleep()  # params now live only in each rank's host arena, as during a colocated weight sync
+    assert b.memory.is_paused("params")
+    engine = EmbeddedEngine(CFG, max_batch_size=1, max_seq_len=8, seed=1)
+    engine.update_weights_from_tensor(b.named_weights(), version=1)  # collective: every rank gathers
+    if rank == 0:
+        torch.save({"resident": resident, "engine": dict(engine.named_weights())}, out)
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_fsdp2_ranks_with_host_offload_sync_the_full_weights_to_an_engine(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = str(tmp_path / "w.pt")
+    mp.start_processes(_rank_syncs_from_host_offload, args=(port, out), nprocs=2, join=True, start_method="spawn")
+    got = torch.load(out)
+    for name, w in got["resident"].items():
+        assert torch.equal(got["engine"][name], w), name
+    assert set(got["resident"]) <= set(got["engine"])
