@@ -14,8 +14,10 @@ import typing
 from dataclasses import dataclass, field
 from typing import Literal
 
+from miles.data.config import DataConfig, EvalConfig, check_run
 from miles.model.config import ModelConfig
 from miles.policy.objective import check_objective, check_rollout, check_trainer
+from miles.trackers import LogConfig
 
 ROLLOUT_LEVELS = ("kv_cache", "weight")
 
@@ -278,6 +280,9 @@ class RunConfig:
     sync: SyncConfig = field(default_factory=SyncConfig)
     handoff: HandoffConfig = field(default_factory=HandoffConfig)
     agents: AgentConfig = field(default_factory=AgentConfig)  # agentic rollouts (task.name = 'swe')
+    data: DataConfig = field(default_factory=DataConfig)  # prompt datasets (data.train replaces `task`)
+    eval: EvalConfig = field(default_factory=EvalConfig)  # held-out eval of data.eval
+    log: LogConfig = field(default_factory=LogConfig)  # experiment trackers
 
     def __post_init__(self):
         if self.num_steps < 0 or self.checkpoint_every < 0:
@@ -290,6 +295,7 @@ class RunConfig:
                 f"{self.rollout.num_prompts_per_step * self.rollout.n_samples_per_prompt} samples cannot be split over "
                 f"trainer.world_size = {self.trainer.world_size} ranks; make it a multiple"
             )
+        check_run(self)  # data / eval across sections (miles.data.config)
         if self.trainer.backend == "megatron" and self.device == "cpu":
             raise ValueError("trainer.backend = 'megatron' needs a GPU; use device=cuda or trainer.backend=torch")
         if self.sync.transport == "broadcast" and self.rollout.engine == "http" and self.rollout.num_engines > 1:

@@ -1,0 +1,93 @@
+"""Configs of the data side: the prompt datasets a run trains on (``data``) and its held-out eval (``eval``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from miles.data.verify import REWARDS
+
+
+@dataclass(kw_only=True, slots=True)
+class DataConfig:
+    # comma-separated datasets: a .jsonl or .parquet file, or a `datasets` save_to_disk directory ('dir::split'
+    # picks a split of a DatasetDict); 'name=path' names one (default name: the file stem). "" = use `task`
+    train: str = ""
+    eval: str = ""  # held-out datasets, same forms; scored every eval.every steps, never trained on
+    prompt_key: str = "prompt"  # column holding the prompt text
+    messages_key: str = ""  # column of chat messages [{"role", "content"}, ...], used instead of prompt_key when set
+    answer_key: str = "answer"  # column holding the reference answer (a string or a number)
+    metadata_key: str = "metadata"  # optional dict column; its 'verifier' picks the reward when data.reward = 'auto'
+    chat_template: bool = True  # render prompts with the tokenizer's chat template (False: raw text after BOS)
+    system_prompt: str = ""  # a system message put before each prompt when the chat template is applied
+    reward: str = "auto"  # auto (row metadata 'verifier', else math), math, math_format, countdown, or module:function
+    skip_bad_rows: bool = False  # False: a bad row stops the run naming file/row/field; True: skipped and counted
+    max_prompt_tokens: int = 0  # longer prompts are bad rows; 0 = engine max_seq_len - rollout.max_new_tokens
+
+    def __post_init__(self):
+        for field, spec in (("train", self.train), ("eval", self.eval)):
+            for name, path in parse_specs(spec, field):
+                if not Path(path.split("::")[0]).exists():
+                    raise ValueError(
+                        f"data.{field}: dataset {name!r} at {path!r} does not exist; give a .jsonl or .parquet file "
+                        "or a datasets save_to_disk directory (python -m miles.data.generate OUT_DIR writes some)"
+                    )
+        if not (self.prompt_key or self.messages_key):
+            raise ValueError("data.prompt_key and data.messages_key are both empty; name the column with the prompt")
+        if not self.answer_key:
+            raise ValueError("data.answer_key is empty; name the column with the reference answer")
+        if self.reward != "auto" and self.reward not in REWARDS and ":" not in self.reward:
+            raise ValueError(
+                f"data.reward = {self.reward!r}; use auto, {', '.join(REWARDS)}, or 'module:function' "
+                "(fn(prompt, response, target) -> float)"
+            )
+        if self.max_prompt_tokens < 0:
+            raise ValueError(f"data.max_prompt_tokens = {self.max_prompt_tokens} must be >= 0 (0: from the engine)")
+
+
+@dataclass(kw_only=True, slots=True)
+class EvalConfig:
+    every: int = 0  # RL steps between held-out evals of data.eval; 0 = only before the first step and at the end
+    k: int = 4  # samples per problem for mean@k and pass@k
+    temperature: float = 0.7  # sampling temperature of the k samples
+    greedy: bool = True  # also one greedy completion per problem (pass@1 greedy)
+    max_new_tokens: int = 0  # 0 = rollout.max_new_tokens
+    max_problems: int = 0  # per dataset; 0 = all of its rows
+    at_start: bool = True  # evaluate the initial policy before the first RL step (the measured start)
+
+    def __post_init__(self):
+        if self.every < 0 or self.k < 1 or self.max_new_tokens < 0 or self.max_problems < 0:
+            raise ValueError(
+                f"eval.every = {self.every}, eval.k = {self.k}, eval.max_new_tokens = {self.max_new_tokens}, "
+                f"eval.max_problems = {self.max_problems}: need every >= 0, k >= 1, the others >= 0"
+            )
+        if not self.temperature > 0:
+            raise ValueError(f"eval.temperature = {self.temperature} must be > 0 (greedy decoding is eval.greedy)")
+
+
+def parse_specs(spec: str, field: str = "train") -> list[tuple[str, str]]:
+    """'a.jsonl, math=b.parquet' -> [('a', 'a.jsonl'), ('math', 'b.parquet')]; names must be distinct."""
+    out = []
+    for item in (s.strip() for s in spec.split(",")):
+        if not item:
+            continue
+        name, sep, path = item.partition("=")
+        if not sep:
+            path = name
+            name = Path(path.split("::")[0].rstrip("/")).name.removesuffix(".jsonl").removesuffix(".parquet")
+        out.append((name.strip(), path.strip()))
+    names = [n for n, _ in out]
+    if len(set(names)) != len(names):
+        raise ValueError(f"data.{field} = {spec!r} names a dataset twice ({names}); name them with 'name=path'")
+    return out
+
+
+def check_run(cfg) -> None:
+    """The data and eval settings against the rest of the run config."""
+    d, e = cfg.data, cfg.eval
+    if d.train and cfg.task.name == "swe":
+        raise ValueError("data.train and task.name = 'swe' both choose the samples; unset one of them")
+    if e.every and not d.eval:
+        raise ValueError(f"eval.every = {e.every} needs held-out datasets: set data.eval (or eval.every=0)")
+    if d.messages_key and not d.chat_template:
+        raise ValueError("data.messages_key needs data.chat_template=true: chat messages are rendered by the template")

@@ -1,0 +1,196 @@
+"""Prompt datasets: rows read from jsonl, parquet or a `datasets` save_to_disk directory, mapped to
+(prompt or chat messages, answer, metadata), checked row by row, and served in a seeded shuffled order whose
+position in the epoch is part of a checkpoint.
+
+    rows, skipped = load_rows("math", "train.jsonl", cfg.data)   # BadRowError names file, row and field
+    ds = PromptDataset(rows, seed=cfg.seed)
+    batch = ds.take(8)                                            # the next 8 rows of this epoch's order
+    state = ds.state_dict(); ds2 = PromptDataset(rows, seed=cfg.seed); ds2.load_state_dict(state)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from miles.data.config import DataConfig, parse_specs
+
+log = logging.getLogger("miles")
+
+
+class BadRowError(ValueError):
+    """A dataset row that cannot be used; the message names the file, the row and the field."""
+
+
+@dataclass(slots=True)
+class PromptRow:
+    dataset: str
+    source: str  # file (or directory) the row came from
+    row: int  # index of the row in that file (0-based; jsonl: line number - 1)
+    prompt: str  # the prompt text (for chat rows: the last user message, for display and the reward's prompt)
+    answer: str
+    messages: list[dict] | None = None
+    metadata: dict = field(default_factory=dict)
+
+    def chat(self, system_prompt: str = "") -> list[dict]:
+        msgs = self.messages or [{"role": "user", "content": self.prompt}]
+        if system_prompt and msgs[0].get("role") != "system":
+            msgs = [{"role": "system", "content": system_prompt}, *msgs]
+        return msgs
+
+    @property
+    def key(self) -> str:
+        """What makes two rows the same problem (the eval / train overlap check)."""
+        return json.dumps(self.messages) if self.messages else " ".join(self.prompt.split())
+
+
+def read_records(path: str) -> list[dict]:
+    """The raw rows of a .jsonl / .parquet file or a `datasets` directory ('dir::split' for a DatasetDict)."""
+    base, _, split = path.partition("::")
+    p = Path(base)
+    if not p.exists():
+        raise FileNotFoundError(f"dataset {path!r} does not exist")
+    if p.is_dir():
+        return _read_datasets_dir(p, split)
+    if p.suffix == ".jsonl":
+        records = []
+        for i, line in enumerate(p.read_text().splitlines()):
+            if not line.strip():
+                continue
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise BadRowError(f"{p} row {i} (line {i + 1}): not valid JSON ({e}); fix or delete the line") from None
+        return records
+    if p.suffix == ".parquet":
+        try:
+            import pyarrow.parquet as pq
+        except ImportError as e:  # pragma: no cover
+            raise ImportError("reading .parquet datasets needs pyarrow: pip install 'miles[data]'") from e
+        return pq.read_table(p).to_pylist()
+    raise ValueError(f"dataset {path!r}: unknown format {p.suffix!r}; use .jsonl, .parquet or a datasets directory")
+
+
+def _read_datasets_dir(p: Path, split: str) -> list[dict]:
+    try:
+        import datasets
+    except ImportError as e:  # pragma: no cover
+        raise ImportError("reading a save_to_disk directory needs datasets: pip install 'miles[data]'") from e
+    ds = datasets.load_from_disk(str(p))
+    if isinstance(ds, datasets.DatasetDict):
+        if split not in ds:
+            raise ValueError(f"{p} holds the splits {list(ds)}; pick one with '{p}::{next(iter(ds))}'")
+        ds = ds[split]
+    return ds.to_list()
+
+
+def load_rows(name: str, path: str, cfg: DataConfig) -> tuple[list[PromptRow], list[str]]:
+    """The dataset's usable rows, and one message per skipped bad row (only when cfg.skip_bad_rows)."""
+    rows, skipped = [], []
+    for i, rec in enumerate(read_records(path)):
+        try:
+            rows.append(to_row(name, path, i, rec, cfg))
+        except BadRowError as e:
+            if not cfg.skip_bad_rows:
+                raise BadRowError(
+                    f"{e}; fix the row or set data.skip_bad_rows=true to skip and count such rows"
+                ) from None
+            skipped.append(str(e))
+    if skipped:
+        log.warning("dataset %s: skipped %d bad rows, e.g. %s", name, len(skipped), skipped[0])
+    if not rows:
+        raise ValueError(f"dataset {name!r} ({path}) has no usable rows ({len(skipped)} skipped as bad)")
+    return rows, skipped
+
+
+def to_row(name: str, path: str, i: int, rec: dict, cfg: DataConfig) -> PromptRow:
+    where = f"{path} row {i}"
+    if not isinstance(rec, dict):
+        raise BadRowError(f"{where}: expected an object with columns, got {type(rec).__name__}")
+    messages = None
+    if cfg.messages_key:
+        messages = rec.get(cfg.messages_key)
+        if not isinstance(messages, list) or not messages:
+            raise BadRowError(f"{where} field {cfg.messages_key!r}: missing or not a non-empty list of messages")
+        for m in messages:
+            if not isinstance(m, dict) or not isinstance(m.get("content"), str) or "role" not in m:
+                raise BadRowError(f"{where} field {cfg.messages_key!r}: each message needs 'role' and 'content' text")
+        users = [m["content"] for m in messages if m["role"] == "user"]
+        prompt = users[-1] if users else messages[-1]["content"]
+        if not prompt.strip():
+            raise BadRowError(f"{where} field {cfg.messages_key!r}: the prompt message is empty")
+    else:
+        if cfg.prompt_key not in rec:
+            raise BadRowError(f"{where} field {cfg.prompt_key!r}: missing (columns: {sorted(rec)})")
+        prompt = rec[cfg.prompt_key]
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise BadRowError(f"{where} field {cfg.prompt_key!r}: empty or not text ({prompt!r:.60})")
+    if cfg.answer_key not in rec or rec[cfg.answer_key] is None:
+        raise BadRowError(f"{where} field {cfg.answer_key!r}: missing (columns: {sorted(rec)})")
+    answer = rec[cfg.answer_key]
+    if isinstance(answer, float) and answer.is_integer():
+        answer = int(answer)
+    answer = str(answer).strip()
+    if not answer:
+        raise BadRowError(f"{where} field {cfg.answer_key!r}: empty answer")
+    meta = rec.get(cfg.metadata_key) if cfg.metadata_key else None
+    if meta is not None and not isinstance(meta, dict):
+        raise BadRowError(f"{where} field {cfg.metadata_key!r}: expected an object, got {type(meta).__name__}")
+    return PromptRow(name, path, i, prompt, answer, messages, dict(meta or {}))
+
+
+def load_split(spec: str, cfg: DataConfig, field: str) -> dict[str, tuple[list[PromptRow], list[str]]]:
+    return {name: load_rows(name, path, cfg) for name, path in parse_specs(spec, field)}
+
+
+def check_no_overlap(train: list[PromptRow], evals: dict[str, list[PromptRow]]) -> None:
+    """Eval rows must never be trained on: any eval prompt that is also a train prompt stops the run."""
+    seen = {r.key: r for r in train}
+    for name, rows in evals.items():
+        for r in rows:
+            if r.key in seen:
+                t = seen[r.key]
+                raise ValueError(
+                    f"eval dataset {name!r} ({r.source} row {r.row}) has the prompt of train row {t.row} of "
+                    f"{t.source}: {r.prompt[:80]!r}; held-out rows must not be trained on: remove it from one of them"
+                )
+
+
+class PromptDataset:
+    """Rows in a seeded shuffled order, reshuffled each epoch; ``take(n)`` walks it, crossing epochs as needed.
+    The position (epoch, index) is a small dict for checkpoints; ``load_state_dict`` refuses another dataset."""
+
+    def __init__(self, rows: list[PromptRow], *, seed: int):
+        self.rows, self.seed = rows, seed
+        self.epoch, self.index = 0, 0
+        self._order = self._order_of(0)
+
+    def _order_of(self, epoch: int) -> list[int]:
+        order = list(range(len(self.rows)))
+        random.Random(f"{self.seed}/{epoch}").shuffle(order)
+        return order
+
+    def take(self, n: int) -> list[PromptRow]:
+        out = []
+        while len(out) < n:
+            if self.index == len(self.rows):
+                self.epoch, self.index = self.epoch + 1, 0
+                self._order = self._order_of(self.epoch)
+            out.append(self.rows[self._order[self.index]])
+            self.index += 1
+        return out
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "index": self.index, "num_rows": len(self.rows), "seed": self.seed}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["num_rows"] != len(self.rows) or state["seed"] != self.seed:
+            raise ValueError(
+                f"the checkpoint's data position is for {state['num_rows']} rows with seed {state['seed']}, this run "
+                f"has {len(self.rows)} rows with seed {self.seed}; resume with the same data.train and seed"
+            )
+        self.epoch, self.index = state["epoch"], state["index"]
+        self._order = self._order_of(self.epoch)
