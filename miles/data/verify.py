@@ -44,10 +44,9 @@ def extract_answer(response: str) -> tuple[str | None, str]:
         tail = response.rsplit("####", 1)[1].strip().splitlines()
         if tail and tail[0].strip():
             return tail[0].strip(), "hashes"
-    m = None
-    for m in _ANSWER_IS_RE.finditer(response):
-        pass
-    if m is not None:
+    found = list(_ANSWER_IS_RE.finditer(response))
+    if found:
+        m = found[-1]
         ans = m.group(1).strip().splitlines()[0]
         return ans.rstrip(".").strip(), "answer_is"
     numbers = _NUMBER_RE.findall(normalize(response))

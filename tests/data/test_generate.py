@@ -2,7 +2,7 @@
 
 import json
 
-from miles.data.generate import generate, generated_train, split_path, held_out_rows, write_test_splits
+from miles.data.generate import generate, generated_train, held_out_rows, split_path, write_test_splits
 from miles.data.verify import countdown_reward, math_reward
 
 
