@@ -25,12 +25,24 @@ def read_hf_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     p = Path(path)
     if p.suffix == ".gguf":
         return _read_gguf(p)
-    files = sorted(p.glob("*.safetensors"))
+    index = p / "model.safetensors.index.json"
+    if index.exists():  # a sharded checkpoint: the index names the file of every tensor
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted({p / f for f in weight_map.values()})
+        absent = [f.name for f in files if not f.exists()]
+        if absent:
+            raise FileNotFoundError(f"{index} lists shards that are not in {p}: {absent}; copy the whole checkpoint")
+    else:
+        files = sorted(p.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {p}; expected a Hugging Face style checkpoint directory")
     sd = {}
     for f in files:
         sd.update(load_file(f))
+    if index.exists():
+        lost = sorted(set(weight_map) - set(sd))
+        if lost:
+            raise KeyError(f"{index} maps {len(lost)} tensors that its shards lack, e.g. {lost[:3]}")
     return sd
 
 
@@ -76,22 +88,16 @@ def load_weights(model, path: str | os.PathLike) -> None:
 
 
 def config_from_checkpoint(path: str | os.PathLike, **overrides) -> ModelConfig:
+    """The decoder config of an HF directory or a GGUF file; its tokenizer and chat template come from the same
+    place when it has one (``tokenizer.json`` / ``tokenizer_config.json``, or the GGUF's own), unless overridden."""
     p = Path(path)
+    has_tokenizer = p.suffix == ".gguf" or any((p / f).exists() for f in ("tokenizer.json", "tokenizer_config.json"))
+    if has_tokenizer:
+        overrides.setdefault("tokenizer", f"hf:{p}")
     if p.suffix == ".gguf":
         from transformers import AutoConfig
 
         hf = AutoConfig.from_pretrained(str(p.parent), gguf_file=p.name).to_dict()
     else:
         hf = json.loads((p / "config.json").read_text())
-    return ModelConfig.from_hf(_flat_rope(hf, p), checkpoint=str(p), **overrides)
-
-
-def _flat_rope(hf: dict, path: Path) -> dict:
-    """transformers >= 5 nests ``rope_theta`` in ``rope_parameters``; the decoder implements plain RoPE only."""
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind != "default":
-        raise ValueError(f"{path} uses rope_type {kind!r}; the embedded decoder implements only plain RoPE ('default')")
-    if "rope_theta" not in hf and "rope_theta" in rope:
-        hf = {**hf, "rope_theta": rope["rope_theta"]}
-    return hf
+    return ModelConfig.from_hf(hf, checkpoint=str(p), **overrides)

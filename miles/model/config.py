@@ -1,4 +1,8 @@
-"""The decoder's architecture config, with Hugging Face ``config.json`` field names (Llama / Qwen2)."""
+"""The decoder's architecture config, with Hugging Face ``config.json`` field names.
+
+Supported families: Llama (Llama 2/3.x, incl. ``rope_type: llama3`` scaling; SmolLM2 is one), Qwen2/2.5 (q/k/v
+biases) and Qwen3 (per-head q/k RMSNorm, no attention bias). ``from_hf`` refuses anything else, naming it.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +14,7 @@ from typing import Literal
 
 @dataclass(kw_only=True, slots=True)
 class ModelConfig:
-    architecture: Literal["llama", "qwen2"] = "qwen2"
+    architecture: Literal["llama", "qwen2", "qwen3"] = "qwen2"
     vocab_size: int = 264
     hidden_size: int = 128
     intermediate_size: int = 384
@@ -19,10 +23,15 @@ class ModelConfig:
     num_key_value_heads: int = 2
     head_dim: int = 0  # 0: hidden_size // num_attention_heads
     rope_theta: float = 10000.0
+    rope_type: Literal["default", "llama3"] = "default"  # llama3: Llama 3.1+ frequency scaling (the fields below)
+    rope_factor: float = 8.0  # llama3 scaling: low frequencies divided by this
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_position_embeddings: int = 8192
     rms_norm_eps: float = 1e-6
     max_position_embeddings: int = 512
     tie_word_embeddings: bool = True
-    attention_bias: bool = True  # Qwen2 has q/k/v biases; Llama has none
+    attention_bias: bool = True  # Qwen2 has q/k/v biases; Llama and Qwen3 have none
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     init_std: float = 0.02
     checkpoint: str = ""  # HF-style directory (config.json + *.safetensors) or a .gguf file; "" = random init
@@ -52,6 +61,11 @@ class ModelConfig:
                     f"num_attention_heads = {self.num_attention_heads}; set model.head_dim explicitly"
                 )
             self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.rope_type == "llama3" and not 0 < self.rope_low_freq_factor < self.rope_high_freq_factor:
+            raise ValueError(
+                f"model.rope_low_freq_factor = {self.rope_low_freq_factor} must be in (0, rope_high_freq_factor = "
+                f"{self.rope_high_freq_factor}) for rope_type 'llama3'"
+            )
         if self.head_dim % 2:
             raise ValueError(f"model.head_dim = {self.head_dim} must be even for rotary embeddings")
 
@@ -60,12 +74,17 @@ class ModelConfig:
         h, i, v, L = self.hidden_size, self.intermediate_size, self.vocab_size, self.num_hidden_layers
         q, kv = self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
         attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.attention_bias else 0)
-        layer = attn + 3 * h * i + 2 * h
+        layer = attn + 3 * h * i + 2 * h + (2 * self.head_dim if self.qk_norm else 0)
         return v * h * (1 if self.tie_word_embeddings else 2) + L * layer + h
+
+    @property
+    def qk_norm(self) -> bool:
+        """Qwen3 normalises each head's queries and keys (RMSNorm over head_dim) before RoPE."""
+        return self.architecture == "qwen3"
 
     def to_hf(self) -> dict:
         """The ``config.json`` a Hugging Face loader expects for this architecture."""
-        cls = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[self.architecture]
+        cls = HF_CLASSES[self.architecture]
         out = {
             "architectures": [cls],
             "model_type": self.architecture,
@@ -83,25 +102,83 @@ class ModelConfig:
             "hidden_act": "silu",
             "torch_dtype": self.dtype,
         }
-        if self.architecture == "llama":
+        if self.architecture in ("llama", "qwen3"):
             out["attention_bias"] = self.attention_bias
+        if self.architecture == "llama":
             out["mlp_bias"] = False
+        if self.rope_type == "llama3":
+            out["rope_scaling"] = {
+                "rope_type": "llama3",
+                "factor": self.rope_factor,
+                "low_freq_factor": self.rope_low_freq_factor,
+                "high_freq_factor": self.rope_high_freq_factor,
+                "original_max_position_embeddings": self.rope_original_max_position_embeddings,
+            }
         return out
 
     @classmethod
     def from_hf(cls, hf: dict | str | Path, **overrides) -> "ModelConfig":
+        """From a ``config.json`` (dict or path); refuses an architecture or option the decoder does not implement."""
         if not isinstance(hf, dict):
             hf = json.loads(Path(hf).read_text())
-        arch = hf.get("model_type", "llama")
-        if arch not in ("llama", "qwen2"):
-            raise ValueError(f"model_type {arch!r} is not supported by the embedded decoder; use llama or qwen2")
+        arch = _family(hf)
         known = {f.name for f in fields(cls)}
         kw = {k: v for k, v in hf.items() if k in known and k not in ("architecture", "dtype")}
         kw["architecture"] = arch
         kw["attention_bias"] = hf.get("attention_bias", arch == "qwen2")
         kw["head_dim"] = hf.get("head_dim") or 0
+        kw.update(_rope_fields(hf))
         kw.update(overrides)
         return cls(**kw)
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+SUPPORTED = "Llama (LlamaForCausalLM, incl. Llama 3.x rope_type llama3 and SmolLM2), Qwen2/2.5 (Qwen2ForCausalLM), Qwen3 (Qwen3ForCausalLM)"
+
+
+def _family(hf: dict) -> str:
+    model_type = hf.get("model_type", "llama")
+    names = hf.get("architectures") or []
+    if model_type not in HF_CLASSES or any(n != HF_CLASSES[model_type] for n in names):
+        what = f"architecture {', '.join(names)} with " if names else ""
+        raise ValueError(
+            f"{what}model_type {model_type!r} is not supported by the embedded decoder; supported: {SUPPORTED}"
+        )
+    names = names or [HF_CLASSES[model_type]]
+    unsupported = {
+        "hidden_act": hf.get("hidden_act", "silu") != "silu",
+        "mlp_bias": bool(hf.get("mlp_bias")),
+        "use_sliding_window": bool(hf.get("use_sliding_window")),
+    }
+    bad = [k for k, v in unsupported.items() if v]
+    if bad:
+        raise ValueError(
+            f"{names[0]} with {', '.join(f'{k}={hf.get(k)!r}' for k in bad)} is not supported by the embedded "
+            "decoder (it implements SiLU MLPs without bias and full attention)"
+        )
+    return model_type
+
+
+def _rope_fields(hf: dict) -> dict:
+    """RoPE settings from either spelling: ``rope_scaling`` (transformers 4) or ``rope_parameters`` (5)."""
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    out = {}
+    if "rope_theta" not in hf and "rope_theta" in rope:
+        out["rope_theta"] = rope["rope_theta"]
+    if kind == "llama3":
+        out |= {
+            "rope_type": "llama3",
+            "rope_factor": rope["factor"],
+            "rope_low_freq_factor": rope["low_freq_factor"],
+            "rope_high_freq_factor": rope["high_freq_factor"],
+            "rope_original_max_position_embeddings": rope["original_max_position_embeddings"],
+        }
+    elif kind != "default":
+        raise ValueError(
+            f"rope_type {kind!r} is not supported by the embedded decoder; it implements 'default' and 'llama3'"
+        )
+    return out

@@ -1,6 +1,7 @@
-"""An HF-compatible decoder-only transformer (Llama / Qwen2 layout and parameter names).
+"""An HF-compatible decoder-only transformer (Llama / Qwen2 / Qwen3 layout and parameter names).
 
-RMSNorm, rotary embeddings, grouped-query attention, SwiGLU, tied or untied embeddings. The same module
+RMSNorm, rotary embeddings (plain, or Llama 3's scaled frequencies), grouped-query attention (Qwen3: RMSNorm on
+each head's queries and keys), SwiGLU, tied or untied embeddings. The same module
 serves the trainer (full sequences, causal) and the rollout engine (prefill + decode against a
 preallocated KV cache). Parameter names equal Hugging Face's, so checkpoints load in ``transformers``.
 Logits come out in the model's dtype; upcasting happens chunk by chunk in miles.policy.logprob.
@@ -8,6 +9,7 @@ Logits come out in the model's dtype; upcasting happens chunk by chunk in miles.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -32,10 +34,24 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def rotary_cos_sin(position_ids_BT: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
-    inv_freq = 1.0 / (
-        theta ** (torch.arange(0, head_dim, 2, device=position_ids_BT.device, dtype=torch.int64).float() / head_dim)
-    )
+def rope_inv_freq(cfg: ModelConfig, device) -> torch.Tensor:
+    """The rotary frequencies [head_dim / 2]; rope_type 'llama3' divides the low ones by rope_factor and blends
+    the band between the low- and high-frequency wavelengths (Llama 3.1's long-context scaling)."""
+    d = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, device=device, dtype=torch.int64).float() / d))
+    if cfg.rope_type == "default":
+        return inv_freq
+    old_len, factor = cfg.rope_original_max_position_embeddings, cfg.rope_factor
+    lo, hi = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / lo, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - lo) / (hi - lo)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    middle = (wavelen >= old_len / hi) & (wavelen <= old_len / lo)
+    return torch.where(middle, blended, scaled)
+
+
+def rotary_cos_sin(position_ids_BT: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
     freqs = position_ids_BT.float()[..., None] * inv_freq  # [B, T, D/2]
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]  # [B, 1, T, D]
@@ -74,12 +90,18 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(h, cfg.num_key_value_heads * d, bias=cfg.attention_bias)
         self.v_proj = nn.Linear(h, cfg.num_key_value_heads * d, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(cfg.num_attention_heads * d, h, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
 
     def forward(self, x_BTH, cos, sin, mask_B1TS, cache: KVCache | None, cache_pos: int):
         cfg = self.cfg
         B, T, _ = x_BTH.shape
-        q = self.q_proj(x_BTH).view(B, T, cfg.num_attention_heads, cfg.head_dim).transpose(1, 2)
-        k = self.k_proj(x_BTH).view(B, T, cfg.num_key_value_heads, cfg.head_dim).transpose(1, 2)
+        q = self.q_proj(x_BTH).view(B, T, cfg.num_attention_heads, cfg.head_dim)
+        k = self.k_proj(x_BTH).view(B, T, cfg.num_key_value_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(x_BTH).view(B, T, cfg.num_key_value_heads, cfg.head_dim).transpose(1, 2)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
@@ -163,7 +185,7 @@ class Decoder(nn.Module):
         if position_ids_BT is None:
             position_ids_BT = torch.arange(cache_pos, cache_pos + T, device=input_ids_BT.device).expand(B, T)
         x = self.model.embed_tokens(input_ids_BT)
-        cos, sin = rotary_cos_sin(position_ids_BT, self.config.head_dim, self.config.rope_theta, x.dtype)
+        cos, sin = rotary_cos_sin(position_ids_BT, rope_inv_freq(self.config, x.device), x.dtype)
         if mask_B1TS is None and cache is not None and (cache_pos > 0 or T == 1):
             mask_B1TS = torch.ones(B, 1, T, cache_pos + T, dtype=torch.bool, device=x.device).tril(cache_pos)
         for layer in self.model.layers:
