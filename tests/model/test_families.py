@@ -3,7 +3,6 @@ Llama 3's rope_type llama3), Qwen2, Qwen3 and a SmolLM2-shaped Llama, loaded fro
 saves (sharded with an index for one of them); the tokenizer and chat template come from the same directory;
 other architectures are refused by name."""
 
-
 import pytest
 import torch
 
