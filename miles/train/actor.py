@@ -119,19 +119,10 @@ class TrainActor:
         """Every rank joins (full state dicts are collective); rank 0 writes into ``directory``."""
         state = self.backend.state_dict()
         if self.rank == 0:
-            from safetensors.torch import save_file
-
-            save_file(
-                {k: v.contiguous() for k, v in state["model"].items()}, str(Path(directory) / "model.safetensors")
-            )
-            torch.save(state["optimizer"], Path(directory) / "optimizer.pt")
+            write_checkpoint_files(directory, state)
 
     def load_checkpoint(self, directory: str) -> None:
-        from safetensors.torch import load_file
-
-        model = load_file(str(Path(directory) / "model.safetensors"))
-        optim = torch.load(Path(directory) / "optimizer.pt", weights_only=False)
-        self.backend.load_state_dict({"model": model, "optimizer": optim})
+        self.backend.load_state_dict(read_checkpoint_files(directory))
 
     def close(self) -> None:
         if self.sync is not None and hasattr(self.sync, "close"):
@@ -140,6 +131,34 @@ class TrainActor:
     def drain_ledger(self):
         self.ledger.sample_process(f"trainer/{self.rank}")
         return self.ledger.drain()
+
+
+def write_checkpoint_files(directory: str, state: dict) -> None:
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in state["model"].items()}, str(Path(directory) / "model.safetensors"))
+    torch.save(state["optimizer"], Path(directory) / "optimizer.pt")
+
+
+def read_checkpoint_files(directory: str) -> dict:
+    """The trainer state of a checkpoint directory. optimizer.pt is unpickled with ``weights_only=True``: tensors,
+    containers and numbers only, so a crafted file in a copied or shared run directory cannot run code."""
+    import pickle
+
+    from safetensors.torch import load_file
+
+    model = load_file(str(Path(directory) / "model.safetensors"))
+    path = Path(directory) / "optimizer.pt"
+    try:
+        optim = torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as e:
+        lines = [line for line in str(e).splitlines() if "GLOBAL" in line or "Unsupported" in line]
+        first = lines[0].strip() if lines else type(e).__name__
+        raise ValueError(
+            f"{path} holds objects other than tensors and plain containers, so it is not loaded (weights_only=True; "
+            f"{first}). Resume only from checkpoints written by miles train, or delete that checkpoint directory"
+        ) from None
+    return {"model": model, "optimizer": optim}
 
 
 class TrainGroup:
