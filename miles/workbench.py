@@ -120,3 +120,74 @@ class RunPanel:
         """Ask the run to stop after the current step (a checkpoint is written)."""
         self._stop.set()
         self.status.value = "stopping after this step"
+
+
+class PlannerWidget:
+    """The planner with knobs: model x hardware x nodes x precision x offload level x peak device; every change
+    re-plans (milliseconds) and redraws the timeline against the budget (miles.planner_view holds the logic).
+
+    w = PlannerWidget()          # display it in a cell
+    w.model.value = "kimi-k2"    # what a click does; w.view is the current picture's numbers
+    """
+
+    def __init__(self, knobs=None):
+        import ipywidgets as w
+
+        from miles import planner_view as pv
+
+        k = knobs or pv.Knobs()
+        self.model = w.Dropdown(options=pv.available_hf_configs(), value=k.model, description="model")
+        self.hardware = w.Dropdown(options=pv.HARDWARE, value=k.hardware, description="hardware")
+        self.nodes = w.IntSlider(value=k.nodes, min=1, max=64, description="trays/nodes")
+        self.precision = w.Dropdown(options=pv.PRECISIONS, value=k.precision, description="precision")
+        self.level = w.Dropdown(options=list(pv.LEVELS), value=k.level, description="offload level")
+        self.per_engine = w.Dropdown(options=[1, 2, 4, 8], value=k.nodes_per_engine, description="nodes/engine")
+        self.mode = w.ToggleButtons(options=pv.MODES, value=k.mode, description="peak device")
+        self.status, self.out = w.HTML(), w.Output()
+        self.knobs = [self.model, self.hardware, self.nodes, self.precision, self.level, self.per_engine, self.mode]
+        for knob in self.knobs:
+            knob.observe(lambda _: self.redraw(), names="value")
+        self.widget = w.VBox([w.HBox(self.knobs[:3]), w.HBox(self.knobs[3:6]), self.mode, self.status, self.out])
+        self.fig, self.view, self.error = None, None, None
+        self.redraw()
+
+    def current(self):
+        from miles.planner_view import Knobs
+
+        return Knobs(
+            model=self.model.value,
+            hardware=self.hardware.value,
+            nodes=self.nodes.value,
+            precision=self.precision.value,
+            level=self.level.value,
+            mode=self.mode.value,
+            nodes_per_engine=self.per_engine.value,
+        )
+
+    def redraw(self) -> None:
+        """Plan the knobs and redraw; a config the planner rejects shows its message instead of a picture."""
+        from IPython.display import display
+
+        from miles.planner_view import draw, view
+
+        try:  # a knob combination can be invalid mid-change (nodes not a multiple of nodes/engine)
+            self.view, self.error = view(self.current()), None
+        except ValueError as e:
+            self.view, self.error = None, e
+            self.status.value = f"<b>not plannable</b>: {e}"
+            return
+        v = self.view
+        colour = "green" if v.fits else "crimson"
+        self.status.value = (
+            f"<b style='color:{colour}'>{v.verdict}</b> &nbsp; host peak {v.host_peak_gib:.1f} GiB/node, "
+            f"device peak {v.device_peak_gib:.1f} GiB/GPU, handoff {v.seconds:.2f} s per RL step"
+        )
+        self.fig = draw(v, self.fig)
+        with self.out:
+            self.out.clear_output(wait=True)
+            display(self.fig)
+
+    def _ipython_display_(self):
+        from IPython.display import display
+
+        display(self.widget)
