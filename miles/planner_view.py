@@ -227,3 +227,26 @@ def draw(v: View, fig=None):
 def with_knob(k: Knobs, **changes) -> Knobs:
     """The knobs with some changed (validated again)."""
     return replace(k, **changes)
+
+
+def run_overlay(config: dict) -> dict:
+    """What the dashboard's Memory tab draws over a run: the planner's per-pool peak over the RL steps (held bytes,
+    the ledger's count) and the hardware's budgets, for the run's own config.json; or why there is none."""
+    from miles.config import RunConfig
+
+    if not {"model", "rollout", "trainer", "handoff"} <= set(config):
+        return {"available": False, "reason": "config.json is not a full RunConfig (the one `miles train` writes)"}
+    try:
+        cfg = RunConfig.from_dict(config)
+        mode = cfg.handoff.colocate_memory_peak_device
+        rep = plan(cfg, cfg.handoff.hardware, mode=None if mode == "auto" else mode, num_steps=2)
+    except (ValueError, TypeError, KeyError) as e:  # a partial or foreign config.json: the tab draws no overlay
+        return {"available": False, "reason": str(e).split("\n")[0][:200]}
+    rl = [s for s in rep.steps if s.phase in ("rollout_to_train", "train", "train_to_rollout")]
+    return {
+        "available": True,
+        "hardware": rep.hardware.name,
+        "mode": rep.mode,
+        "peaks": {"device": max(s.device for s in rl), "host": max(s.host for s in rl)},
+        "budget": {"device": rep.device_budget, "host": rep.host_budget},
+    }

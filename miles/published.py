@@ -12,11 +12,12 @@ state is ``None`` and shows as "not stated"; a figure we cannot measure here say
 from __future__ import annotations
 
 import html
+import textwrap
 from dataclasses import dataclass
 
 REPO = "https://github.com/radixark/miles/pull"
 PRS = {
-    2692: "rejected layouts of the colocated handoff",
+    2692: "rejected layouts",
     2739: "optimizer state offloaded to NVMe",
     2748: "agent abort flushes every session-server instance",
     2764: "policy log-probs in model precision (logits memory)",
@@ -67,7 +68,7 @@ def plot(claims: list[Claim], title: str = ""):
     import matplotlib.pyplot as plt
 
     shown = [c for c in claims if c.ours is not None or c.published is not None]
-    fig, axes = plt.subplots(1, max(len(shown), 1), figsize=(2.6 * max(len(shown), 1) + 0.6, 2.6), squeeze=False)
+    fig, axes = plt.subplots(1, max(len(shown), 1), figsize=(2.8 * max(len(shown), 1) + 0.6, 3.0), squeeze=False)
     for ax, c in zip(axes[0], shown):
         values = [c.published, c.ours]
         bars = ax.bar([0, 1], [v or 0 for v in values], color=["0.6", "C0"], width=0.6)
@@ -77,7 +78,7 @@ def plot(claims: list[Claim], title: str = ""):
         ax.set_xticks([0, 1], ["published", "ours"], fontsize=8)
         ax.set_ylabel(c.unit, fontsize=8)
         ax.set_ylim(0, max(v or 0 for v in values) * 1.25 or 1)
-        ax.set_title(c.quantity, fontsize=8, wrap=True)
+        ax.set_title(textwrap.fill(c.quantity, 34), fontsize=8)
         ax.tick_params(axis="y", labelsize=7)
     if title:
         fig.suptitle(title, fontsize=9)
@@ -102,5 +103,18 @@ def box(pr: int, summary: str, claims: list[Claim], title: str = ""):
     if pr not in PRS:
         raise ValueError(f"PR #{pr} is not one this workbench reproduces; known: {sorted(PRS)}")
     display(HTML(header(pr, summary)))
-    display(table(claims))
+    display(HTML(table(claims).to_html(index=False)))  # the HTML writer does not cut long cells at 50 characters
     display(plot(claims, title))
+
+
+def stored(name: str) -> dict | None:
+    """A stored result ``benchmarks/results/<name>`` (the repository found from the working directory upward),
+    or None where this checkout has none (a notebook then says so instead of failing)."""
+    import json
+    from pathlib import Path
+
+    for root in [Path.cwd(), *Path.cwd().parents]:
+        path = root / "benchmarks" / "results" / name
+        if (root / "pyproject.toml").exists() and path.is_file():
+            return json.loads(path.read_text())
+    return None

@@ -64,6 +64,12 @@ def create_app(
     def config():
         return reader.config()
 
+    @app.get("/api/plan")
+    def planned():
+        from miles.planner_view import run_overlay
+
+        return run_overlay(reader.config())
+
     @app.get("/api/metrics")
     def metrics(offset: Offset = 0, max_bytes: MaxBytes = MAX_JSONL_BYTES):
         rows, next_offset = reader.read_jsonl("metrics.jsonl", offset, max_bytes)

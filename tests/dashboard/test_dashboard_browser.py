@@ -223,13 +223,13 @@ def test_every_pane_renders(page):
         page.wait_for_selector(selector)
         shot(page, tab)
     assert page.eval_on_selector_all("#memory-legend span", "s => s.map((x) => x.innerText)") == [
-        "weights",
-        "kv_cache",
-        "params",
-        "optimizer",
-        "grads",
+        "engine · weights",
+        "engine · kv_cache",
+        "trainer · params",
+        "trainer · optimizer",
+        "trainer · grads",
     ]
-    assert "peak 8.0 GiB" in page.inner_text(".card[data-pool='device'] .title")
+    assert "peak over RL steps 8.0 GiB" in page.inner_text(".card[data-pool='device'] .title")
 
 
 def test_follow_mode_shows_new_steps_and_metrics_live(browser, tmp_path):

@@ -3,7 +3,9 @@
 // switches. The URL hash is the route: #metrics, #memory, #rollouts/STEP, #sample/STEP/ROW.
 
 import { TokenStrip, parseSample, colorScale, STATS } from "./strip.js";
-import { drawLineChart, drawMemoryTimeline, drawTokenChart, formatValue, formatBytes, PALETTE } from "./charts.js";
+import { drawLineChart, drawTokenChart, formatValue, formatBytes, PALETTE } from "./charts.js";
+import { drawPool, memoryColors, memorySeries } from "./memory.js";
+import { describe } from "./describe.js";
 
 const $ = (id) => document.getElementById(id);
 const TABS = ["metrics", "memory", "rollouts", "sample"];
@@ -48,6 +50,8 @@ class Dashboard {
     for (const b of document.querySelectorAll("#tabs button")) b.onclick = () => this.openTab(b.dataset.tab);
     this.bindSampleControls();
     this.bindTable();
+    $("memory-setup").onchange = () => { this.dirty.memory = true; this.renderVisible(); };
+    getJSON("/api/plan").then((plan) => { this.plan = plan; this.dirty.memory = true; this.renderVisible(); }).catch(() => {});
     await Promise.all([this.pollJsonl("metrics"), this.pollJsonl("ledger"), this.pollSteps()]);
     window.addEventListener("hashchange", () => this.route());
     window.addEventListener("resize", () => { this.dirty.metrics = this.dirty.memory = true; this.renderVisible(); });
@@ -77,6 +81,8 @@ class Dashboard {
 
   async pollSteps() {
     const { steps } = await getJSON("/api/steps");
+    $("rollouts-empty").hidden = steps.length > 0;
+    $("rollout-table").hidden = steps.length === 0;
     if (steps.length === this.steps.length && steps.at(-1)?.step === this.steps.at(-1)?.step) return;
     this.steps = steps;
     const select = $("step-select");
@@ -95,6 +101,7 @@ class Dashboard {
     this.showTab(name);
     if (name === "rollouts" && this.tableStep !== null) this.loadTable(this.tableStep);
     if (name === "sample" && /^\d+$/.test(a ?? "") && /^\d+$/.test(b ?? "")) this.openSample(Number(a), Number(b));
+    else if (name === "sample" && !this.sampleKey) this.openDefaultSample();
   }
 
   openTab(name) {
@@ -139,7 +146,7 @@ class Dashboard {
         card.className = "card";
         card.dataset.metric = key;
         const fmt = (v) => formatValue(v, key);
-        card.innerHTML = `<div class="title"><b>${escapeHTML(key)}</b><span>${fmt(ys.at(-1))}</span></div><canvas></canvas>`;
+        card.innerHTML = `<div class="title"><b title="${escapeHTML(describe(key))}">${escapeHTML(key)}</b><span>${fmt(ys.at(-1))}</span></div><canvas></canvas>`;
         grid.appendChild(card);
         const canvas = card.querySelector("canvas");
         const chart = drawLineChart(canvas, xs, ys, { key, color: PALETTE[color++ % PALETTE.length] });
@@ -154,32 +161,43 @@ class Dashboard {
     }
   }
 
-  // ---- memory ----
+  // ---- memory (miles/dashboard/static/memory.js) ----
   renderMemory() {
-    const series = memorySeries(this.ledger);
+    const setup = $("memory-setup").checked;
+    const series = memorySeries(this.ledger, { setup });
     $("memory-empty").hidden = this.ledger.length > 0;
-    const colors = {};
-    series.allTags.forEach((t, i) => { colors[t] = PALETTE[i % PALETTE.length]; });
-    $("memory-legend").innerHTML = series.allTags.map((t) => `<span><i style="background:${colors[t]}"></i>${escapeHTML(t)}</span>`).join("");
+    const colors = memoryColors(this.ledger);
+    $("memory-legend").innerHTML = Object.entries(colors).map(([k, c]) => `<span><i style="background:${c}"></i>${escapeHTML(k)}</span>`).join("");
+    const plan = this.plan ?? {};
+    $("memory-plan").textContent = plan.available ? `planner: ${plan.hardware} profile, peak device ${plan.mode}` : (plan.reason ? `no planner overlay: ${plan.reason}` : "");
     const root = $("memory-pools");
     root.textContent = "";
-    for (const [pool, s] of Object.entries(series.pools)) {
+    for (const [pool, p] of Object.entries(series.pools)) {
       const card = document.createElement("div");
       card.className = "card";
       card.dataset.pool = pool;
-      card.innerHTML = `<div class="title"><b>${escapeHTML(pool)}</b><span>peak ${formatBytes(s.peak)}</span></div><canvas></canvas>`;
+      card.dataset.peak = String(p.peak);
+      card.dataset.events = String(p.held.length);
+      const planned = plan.available ? plan.peaks?.[pool] ?? null : null;
+      const budget = plan.available ? plan.budget?.[pool] ?? null : null;
+      if (planned !== null) card.dataset.planned = String(planned);
+      if (budget !== null) card.dataset.budget = String(budget);
+      const facts = [`peak over RL steps ${formatBytes(p.peak)} (= max of mem/${pool}_peak)`,
+        p.setupPeak ? `setup peak ${formatBytes(p.setupPeak)}` : "", planned !== null ? `planner ${formatBytes(planned)}` : "",
+        budget !== null ? `budget ${formatBytes(budget)}` : ""].filter(Boolean).join(" · ");
+      card.innerHTML = `<div class="title"><b>${escapeHTML(pool)}</b><span class="facts">${escapeHTML(facts)}</span></div><canvas></canvas><div class="hover muted">&nbsp;</div>`;
       root.appendChild(card);
       const canvas = card.querySelector("canvas");
-      const chart = drawMemoryTimeline(canvas, { ...s, steps: series.steps }, colors);
+      const chart = drawPool(canvas, p, colors, { planned, budget });
+      const hover = card.querySelector(".hover");
       canvas.onmousemove = (e) => {
-        const t = chart.t0 + ((e.offsetX - 64) / (canvas.clientWidth - 74)) * (s.t1 - chart.t0);
-        let i = 0;
-        while (i + 1 < s.times.length && s.times[i + 1] <= t) i++;
-        const parts = s.tags.map((tag, k) => `${tag} ${formatBytes(s.held[i][k])}`).filter((_, k) => s.held[i][k]);
-        card.querySelector(".title span").textContent = `${s.phases[i] || ""} @ ${Math.max(0, t).toFixed(2)} s: ${parts.join(", ") || "empty"}`;
+        const i = Math.min(p.rows.length - 1, Math.max(0, Math.floor(((e.offsetX - 64) / (canvas.clientWidth - 76)) * chart.n)));
+        if (i < 0 || !p.rows.length) return;
+        const parts = p.keys.map((k, j) => (p.rows[i][j] ? `${k} ${formatBytes(p.rows[i][j])}` : "")).filter(Boolean);
+        const step = p.stepOf[i] < 0 ? "setup" : `step ${p.stepOf[i]}`;
+        hover.textContent = `${step} · event ${i} · ${p.phases[i]}: ${parts.join(", ") || "empty"}`;
       };
-      canvas.onmouseleave = () => { card.querySelector(".title span").textContent = `peak ${formatBytes(s.peak)}`; };
-      root.appendChild(document.createElement("div")).style.height = "10px";
+      canvas.onmouseleave = () => { hover.innerHTML = "&nbsp;"; };
     }
   }
 
@@ -282,10 +300,20 @@ class Dashboard {
       `entropy        ${f(d.stats.entropy[i])}`].join("\n");
   }
 
+  // The Sample tab never opens empty: without a chosen sample it shows the latest step's first one, and says so.
+  openDefaultSample() {
+    const latest = this.steps.at(-1);
+    $("sample-empty").hidden = Boolean(latest);
+    if (!latest) { $("pane-sample").dataset.state = "empty"; return; }
+    $("sample-hint").textContent = `showing the latest step's first sample; pick another in the Rollouts tab`;
+    this.openSample(latest.step, 0);
+  }
+
   // One request per sample: the binary payload feeds the conversation, the strip and the per-token chart.
   async openSample(step, row) {
     const key = `${step}/${row}`;
     if (key === this.sampleKey) return;
+    if (location.hash.startsWith("#sample/")) $("sample-hint").textContent = "";
     this.sampleKey = key;
     const seq = ++this.loadSeq;
     const pane = $("pane-sample");
@@ -393,33 +421,6 @@ export function metricSeries(rows) {
     groups.get(groupOf(key)).push(series.get(key));
   }
   return [...groups].filter(([, list]) => list.length);
-}
-
-// Bytes held per (pool, tag) after every ledger event, for the stacked timelines.
-export function memorySeries(rows) {
-  const events = rows.filter((e) => typeof e.time === "number" && typeof e.bytes === "number").sort((a, b) => a.time - b.time);
-  const t0 = events[0]?.time ?? 0;
-  const t1 = (events.at(-1)?.time ?? 1) - t0;
-  const pools = {};
-  const allTags = [];
-  const steps = [];
-  let lastStep;
-  for (const e of events) {
-    const t = e.time - t0;
-    if (e.step !== undefined && e.step !== lastStep) { steps.push({ time: t, step: e.step }); lastStep = e.step; }
-    if (!allTags.includes(e.tag)) allTags.push(e.tag);
-    const p = (pools[e.pool] ||= { tags: [], held: [], times: [], phases: [], current: [], peak: 0, t0: 0, t1 });
-    let k = p.tags.indexOf(e.tag);
-    if (k < 0) { k = p.tags.length; p.tags.push(e.tag); p.current.push(0); for (const h of p.held) h.push(0); }
-    p.current[k] = Math.max(0, p.current[k] + (e.direction === "out" ? -e.bytes : e.bytes));
-    p.times.push(t);
-    p.phases.push(e.phase);
-    p.held.push([...p.current]);
-    p.peak = Math.max(p.peak, p.current.reduce((a, b) => a + b, 0));
-  }
-  const order = ["device", "host", "disk"];
-  const sorted = Object.fromEntries(Object.entries(pools).sort(([a], [b]) => order.indexOf(a) - order.indexOf(b)));
-  return { pools: sorted, allTags, steps };
 }
 
 window.miles = new Dashboard();

@@ -87,61 +87,6 @@ function axes(ctx, width, height, pad, yLabels, xLabels) {
   ctx.fillText(xLabels[1], width - pad.r, height - 5);
 }
 
-// Bytes held per tag over time in one pool, stacked; vertical rules where the step changes.
-// series: {times: [...], tags: [...], held: [[bytes per tag] per time], steps: [{time, step}]}
-export function drawMemoryTimeline(canvas, series, colors, { height = 190 } = {}) {
-  const { ctx, width } = fitCanvas(canvas, height);
-  const pad = { l: 64, r: 10, t: 10, b: 20 };
-  const { times, tags, held } = series;
-  const t0 = series.t0 ?? times[0] ?? 0;
-  const t1 = Math.max(series.t1 ?? times[times.length - 1] ?? 1, t0 + 1e-3);
-  let peak = 1;
-  for (const row of held) peak = Math.max(peak, row.reduce((a, b) => a + b, 0));
-  const X = (t) => pad.l + ((t - t0) / (t1 - t0)) * (width - pad.l - pad.r);
-  const Y = (b) => height - pad.b - (b / peak) * (height - pad.t - pad.b);
-  axes(ctx, width, height, pad, ["0", formatBytes(peak)], ["0 s", `${(t1 - t0).toFixed(1)} s`]);
-  const below = new Float64Array(times.length);
-  tags.forEach((tag, k) => {
-    ctx.fillStyle = colors[tag];
-    ctx.beginPath();
-    ctx.moveTo(X(times[0]), Y(below[0]));
-    const tops = new Float64Array(times.length);
-    for (let i = 0; i < times.length; i++) {
-      tops[i] = below[i] + held[i][k];
-      if (i) ctx.lineTo(X(times[i]), Y(tops[i - 1]));  // a step function: hold the level until the event
-      ctx.lineTo(X(times[i]), Y(tops[i]));
-    }
-    ctx.lineTo(X(t1), Y(tops[times.length - 1]));
-    ctx.lineTo(X(t1), Y(below[times.length - 1]));
-    for (let i = times.length - 1; i >= 0; i--) {
-      ctx.lineTo(X(times[i]), Y(below[i]));
-      if (i) ctx.lineTo(X(times[i]), Y(below[i - 1]));
-    }
-    ctx.closePath();
-    ctx.globalAlpha = 0.85;
-    ctx.fill();
-    ctx.globalAlpha = 1;
-    below.set(tops);
-  });
-  ctx.setLineDash([3, 3]);
-  ctx.strokeStyle = "#a1a1aa";
-  ctx.fillStyle = "#52525b";
-  ctx.textAlign = "left";
-  let lastX = -1e9;
-  for (const { time, step } of series.steps) {
-    const x = X(time);
-    ctx.beginPath();
-    ctx.moveTo(x, pad.t);
-    ctx.lineTo(x, height - pad.b);
-    ctx.stroke();
-    if (x - lastX > 44) { ctx.fillText(step < 0 ? "init" : `step ${step}`, x + 3, pad.t + 9); lastX = x; }
-  }
-  ctx.setLineDash([]);
-  return { X, Y, t0, peak };
-}
-
-// One stat over token positions, min/max per pixel column; the prompt is shaded and `view` (a [first, last]
-// token range, the strip's visible window) is outlined.
 export function drawTokenChart(canvas, data, stat, view, { height = 90 } = {}) {
   const { ctx, width } = fitCanvas(canvas, height);
   const pad = { l: 56, r: 6, t: 6, b: 16 };

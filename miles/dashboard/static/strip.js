@@ -15,7 +15,9 @@
 
 export const BLOCK = 256;
 export const STATS = {
-  diff: { label: "train − rollout log-prob", diverging: true },
+  // floor: the smallest scale; below it values are not signal. A train − rollout difference under 1e-3 nats is a
+  // probability ratio within 0.1 % of 1 (the PPO clip is 20 %); float32 rounding alone gives ~1e-7.
+  diff: { label: "train − rollout log-prob", diverging: true, floor: 1e-3 },
   advantages: { label: "advantage", diverging: true },
   entropy: { label: "entropy", diverging: false },
   rollout_log_probs: { label: "rollout log-prob", diverging: false },
@@ -50,8 +52,9 @@ export function parseSample(buffer) {
 }
 
 // A colour per token for one stat: diverging blue-white-red around 0, or sequential white-purple from 0;
-// the scale is the 99th percentile of |value| over response tokens, so one outlier does not wash out the
-// rest. Colours are quantised to LEVELS steps per sign, so a 64k-token sample needs no 64k string formats.
+// the scale is the 99th percentile of |value| over response tokens (never below the stat's floor), so one outlier
+// does not wash out the rest and float noise stays white. Colours are quantised to LEVELS steps per sign, so a
+// 64k-token sample needs no 64k string formats.
 const LEVELS = 32;
 const PALETTES = { pos: "220,38,38", neg: "37,99,235", seq: "124,58,237" };
 
@@ -76,7 +79,8 @@ export function colorScale(data, stat) {
   const abs = new Float32Array(data.n - data.promptLen);
   let m = 0;
   for (let i = data.promptLen; i < data.n; i++) if (Number.isFinite(values[i])) abs[m++] = Math.abs(values[i]);
-  const scale = m ? Math.max(kth(abs.subarray(0, m), Math.min(m - 1, Math.floor(m * 0.99))), 1e-6) : 1;
+  const floor = STATS[stat].floor ?? 1e-6;
+  const scale = m ? Math.max(kth(abs.subarray(0, m), Math.min(m - 1, Math.floor(m * 0.99))), floor) : 1;
   const diverging = STATS[stat].diverging;
   const { promptLen } = data;
   // a class per token, computed when a span is made or repainted: never 64k strings at once
