@@ -145,11 +145,13 @@ class HttpPolicy:
     out = policy.generate("s1/0", [1, 2, 3], SamplingParams(max_new_tokens=8))
     """
 
-    def __init__(self, url: str, *, timeout_s: float = 600.0):
+    def __init__(self, url: str, *, timeout_s: float = 600.0, api_key: str | None = None):
         import httpx
 
+        from miles.http_guard import bearer_headers
+
         self.url = url.rstrip("/")
-        self._client = httpx.Client(timeout=timeout_s)
+        self._client = httpx.Client(timeout=timeout_s, headers=bearer_headers(api_key))
 
     def generate(self, rid: str, input_ids: list[int], sampling: SamplingParams) -> Completion:
         body = {

@@ -17,16 +17,17 @@ import time
 from pathlib import Path
 from typing import Annotated
 
-from fastapi import FastAPI, Query
+from fastapi import FastAPI, HTTPException, Query
 from fastapi import Path as PathParam
 from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
 from fastapi.staticfiles import StaticFiles
-from starlette.middleware.trustedhost import TrustedHostMiddleware
 
 from miles.dashboard.store import NotInRunDir, RunDirReader
+from miles.http_guard import LOOPBACK_HOSTS, HttpGuard, exposure_warning
+from miles.http_guard import allowed_hosts as guard_hosts
 
 STATIC = Path(__file__).parent / "static"
-LOOPBACK = ("127.0.0.1", "localhost")
+LOOPBACK = LOOPBACK_HOSTS
 MAX_JSONL_BYTES = 4 << 20
 # bounded so that no value a client sends can overflow a seek or a file name: out of range is a 422
 Offset = Annotated[int, Query(ge=0, le=1 << 60)]
@@ -41,11 +42,12 @@ def create_app(
     """The dashboard app for one run directory; ``follow`` tells the page to poll for new data.
 
     Requests must name one of ``allowed_hosts`` in their Host header (loopback by default): a web page
-    elsewhere cannot reach a local dashboard through a DNS name that it re-points at 127.0.0.1.
+    elsewhere cannot reach a local dashboard through a DNS name that it re-points at 127.0.0.1. Browsers'
+    cross-site requests and bodies not sent as application/json are refused too (miles.http_guard).
     """
     reader = RunDirReader(run_dir)
     app = FastAPI(title="miles dashboard", docs_url=None, redoc_url=None, openapi_url=None)
-    app.add_middleware(TrustedHostMiddleware, allowed_hosts=list(allowed_hosts))
+    app.add_middleware(HttpGuard, allowed_hosts=tuple(allowed_hosts))
     app.state.reader = reader
 
     @app.exception_handler(NotInRunDir)
@@ -72,13 +74,11 @@ def create_app(
 
     @app.get("/api/metrics")
     def metrics(offset: Offset = 0, max_bytes: MaxBytes = MAX_JSONL_BYTES):
-        rows, next_offset = reader.read_jsonl("metrics.jsonl", offset, max_bytes)
-        return {"rows": rows, "next_offset": next_offset}
+        return _jsonl(reader, "metrics.jsonl", offset, max_bytes)
 
     @app.get("/api/ledger")
     def ledger(offset: Offset = 0, max_bytes: MaxBytes = MAX_JSONL_BYTES):
-        rows, next_offset = reader.read_jsonl("ledger.jsonl", offset, max_bytes)
-        return {"rows": rows, "next_offset": next_offset}
+        return _jsonl(reader, "ledger.jsonl", offset, max_bytes)
 
     @app.get("/api/steps")
     def steps():
@@ -100,19 +100,33 @@ def create_app(
     return app
 
 
+def _jsonl(reader: RunDirReader, name: str, offset: int, max_bytes: int) -> dict:
+    try:
+        rows, next_offset = reader.read_jsonl(name, offset, max_bytes)
+    except (ValueError, OSError) as e:  # mid-line: a JSONDecodeError; past what the filesystem can seek: EINVAL
+        raise HTTPException(
+            400, f"offset = {offset} is not the start of a line of {name} ({type(e).__name__}); use 0 or a next_offset"
+        ) from None
+    return {"rows": rows, "next_offset": next_offset}
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="miles dashboard", description="Serve a run directory as a local web dashboard.")
     p.add_argument("run_dir", help="the run directory the driver writes (config.json, metrics.jsonl, rollouts/)")
     p.add_argument("--follow", action="store_true", help="poll for new steps, metrics and memory events (live run)")
     p.add_argument("--port", type=int, default=8642, help="port to listen on (0 = any free port)")
     p.add_argument("--host", default="127.0.0.1", help="interface to bind; the default keeps it on this machine")
+    p.add_argument(
+        "--allowed-hosts",
+        default="",
+        help="extra names the Host header may carry, comma-separated ('*' = any); loopback and --host always pass",
+    )
     return p.parse_args(argv)
 
 
-def _allowed_hosts(host: str) -> tuple[str, ...]:
-    # served on purpose beyond loopback: any name reaching it; starlette cannot parse "[::1]:port" Host
-    # headers, so an IPv6 loopback bind skips the check too
-    return LOOPBACK if host in ("127.0.0.1", "localhost") else ("*",)
+def _allowed_hosts(host: str, extra: str = "") -> tuple[str, ...]:
+    # loopback and the bound host (IPv6 included); a wildcard bind (0.0.0.0) accepts any name reaching it
+    return guard_hosts(host, extra)
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -183,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    if args.host not in ("127.0.0.1", "localhost", "::1"):
+    if exposure_warning("miles dashboard", args.host, ""):
         print(f"miles dashboard: serving on {args.host}: anyone who can reach it can read this run", file=sys.stderr)
     sock = bind(args.host, args.port)
     port = sock.getsockname()[1]
@@ -192,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     try:
-        app = create_app(args.run_dir, follow=args.follow, allowed_hosts=_allowed_hosts(args.host))
+        app = create_app(args.run_dir, follow=args.follow, allowed_hosts=_allowed_hosts(args.host, args.allowed_hosts))
         _uvicorn_server(app).run(sockets=[sock])
     finally:
         sock.close()

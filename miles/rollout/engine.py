@@ -50,6 +50,10 @@ class EngineError(ValueError):
     """Bad input to the engine (the engine itself keeps serving)."""
 
 
+class WeightsNotSynced(EngineError):
+    """Generation asked of an engine whose weights were discarded and not yet written again (HTTP 409)."""
+
+
 class EmbeddedEngine(UpdateCalls):
     """Generates with the current weights; weights and KV cache can be released and resumed between steps.
 
@@ -93,6 +97,7 @@ class EmbeddedEngine(UpdateCalls):
         self._aborted: set[str] = set()
         self._abort_all = False
         self._params = dict(self.model.named_parameters())
+        self._unsynced: set[int] = set()  # ids of parameters discarded by a release and not written since
 
     # ---- generation -------------------------------------------------------------------------------------
     def generate(self, requests: list[GenerateRequest], *, seed: int | None = None) -> list[GenerateOutput]:
@@ -130,6 +135,19 @@ class EmbeddedEngine(UpdateCalls):
             raise EngineError(
                 "the engine's memory is released; call resume_memory(['weights', 'kv_cache']) before generate"
             )
+        if self._unsynced:
+            raise WeightsNotSynced(self.unsynced_message())
+
+    @property
+    def weights_synced(self) -> bool:
+        """False from a release of discarded weights until every parameter has been written again."""
+        return not self._unsynced
+
+    def unsynced_message(self) -> str:
+        return (
+            f"the engine's weights were discarded by release_memory(['weights']) and {len(self._unsynced)} of "
+            f"{len(self._params)} tensors have not been written since; sync the weights (update_weights_*) first"
+        )
 
     @torch.no_grad()
     def _generate_batch(self, reqs: list[GenerateRequest], gen: torch.Generator) -> list[GenerateOutput]:
@@ -240,6 +258,8 @@ class EmbeddedEngine(UpdateCalls):
     def release_memory(self, tags: Iterable[str]) -> int:
         tags = _check_tags(tags)
         with self._lock:
+            if "weights" in tags and self.memory.tags["weights"].policy == "discard":
+                self._unsynced = {id(p) for p in self._params.values()}
             return self.memory.pause(tags, phase="release_" + "+".join(tags))
 
     def resume_memory(self, tags: Iterable[str]) -> int:
@@ -272,6 +292,7 @@ class EmbeddedEngine(UpdateCalls):
         with self._lock, torch.no_grad():
             for name, t in items:
                 self._target(name).copy_(t, non_blocking=True)
+            self._unsynced.difference_update(id(self._target(name)) for name, _ in items)
             if version is not None:
                 self.weight_version = int(version)
 
@@ -311,7 +332,10 @@ class EmbeddedEngine(UpdateCalls):
 
     def set_weight_version(self, version: int) -> None:
         """Set the version; an update opened by ``begin_weight_update`` is committed into the weights first."""
-        self.weight_receiver().commit()
+        receiver = self.weight_receiver()
+        names = [s.name for s in receiver.manifest.specs] if receiver.is_open else []
+        if receiver.commit():
+            self._unsynced.difference_update(id(self._target(n)) for n in names)
         self.weight_version = int(version)
 
     # ---- weight sync, receive side (transactions, broadcast, RDT; see miles.sync.receiver) ---------------------
@@ -340,10 +364,19 @@ class EmbeddedEngine(UpdateCalls):
         world_size: int,
         group_name: str,
         backend: str = "gloo",
+        connect_timeout_s: float | None = None,
     ) -> None:
         from miles.sync.receiver import join_group
 
-        join_group(master_address, master_port, rank_offset, world_size, group_name, backend)
+        join_group(
+            master_address,
+            master_port,
+            rank_offset,
+            world_size,
+            group_name,
+            backend,
+            connect_timeout_s=connect_timeout_s,
+        )
 
     def update_weights_from_distributed(
         self, names, dtypes, shapes, group_name: str, version: int | None = None

@@ -242,7 +242,14 @@ class Router:
                 return  # mid-sync: the peers hold half-updated weights; try next round
             old = self.clients[i]
             url = self.restart(i)
-            new = SGLangClient(url, flavor=old.flavor, timeout_s=old.timeout_s, ledger=old.ledger, process=old.process)
+            new = SGLangClient(
+                url,
+                flavor=old.flavor,
+                timeout_s=old.timeout_s,
+                ledger=old.ledger,
+                process=old.process,
+                api_key=old.api_key,
+            )
             old.http.close()
             peers = [j for j in self.live() if j != i]
             if peers:

@@ -13,41 +13,52 @@ tag), GET /miles/weights (all weights, ``torch.save`` bytes, for check_weights),
 engine's MemoryLedger), POST /miles/begin_weight_update ({"manifest": payload}: open a failure-safe update that
 later buckets land in and /update_weight_version commits) and POST /miles/abort_weight_update.
 
+Who may call it (miles.http_guard): the Host header must name loopback or the bound host, a body must be sent
+as ``application/json`` (415 otherwise), browsers' cross-site requests are refused, and with ``--api-key`` /
+``$MILES_API_KEY`` every endpoint but /health needs ``Authorization: Bearer KEY``. Binding beyond loopback
+without a key prints a warning.
+
 Deliberate differences from SGLang:
 - /generate takes ``input_ids`` only (no ``text``; the server holds no tokenizer) and returns ``"text": ""``;
   ``stream`` is refused. Concurrent calls are batched (collected for ``--batch-wait-ms``) and run one batch at a
-  time on the engine's single KV cache.
+  time on the engine's single KV cache. Every value is checked per call before it joins a batch (finite,
+  non-denormal temperature and top_p, token ids in the vocabulary, lengths within max_seq_len), so one bad call
+  gets its 400 and never fails the calls batched with it.
 - ``sampling_params.sampling_seed`` must be the same for every prompt of a call; a seeded call runs as a batch of
   its own, so its outputs equal an in-process ``engine.generate(requests, seed=...)``.
 - ``weight_version`` is an integer (SGLang: a string, "default" before any update); the client reads both.
 - /update_weights_from_tensor: each ``serialized_named_tensors`` entry is ``base64(torch.save(obj))`` (SGLang:
   its MultiprocessingSerializer), decoded with torch's weights_only unpickler. ``obj`` is a list of (name, tensor)
   pairs (bytes travel in the body; works across machines), or, with ``load_format="flattened_bucket"``, a
-  miles.sync.flat_bucket.BucketHandle (shared memory on CPU, CUDA IPC on GPU: one machine only). All tensors are
-  checked (name, shape, dtype) before any is written; a mismatch is a 400 and nothing changes.
-- /update_weights_from_disk: ``model_path`` is a disk-delta directory (miles.sync.disk_delta), not a HF checkpoint.
+  miles.sync.flat_bucket.BucketHandle (shared memory on CPU, CUDA IPC on GPU: one machine only). A bucket is
+  opened only when it is a miles staging buffer of this user in the shared-memory directory, read-only
+  (flat_bucket.check_handle). All tensors are checked (name, shape, dtype) before any is written; a mismatch is a
+  400 and nothing changes.
+- /update_weights_from_disk: ``model_path`` is a disk-delta directory (miles.sync.disk_delta), not a HF
+  checkpoint, and ``weight_version`` is required.
+- /init_weights_update_group: joins run on an executor of their own (miles.rollout.group_calls), bounded by
+  ``--group-connect-timeout-s``; a second join while one is pending is a 409.
 - /release_memory_occupation and /resume_memory_occupation return ``{"bytes": n}``; unknown tags are a 400 (valid:
   weights, kv_cache, cuda_graph). They wait for the running batch; while generation is paused in place they
   answer 409 instead of waiting forever.
 - /pause_generation supports mode "abort" and "in_place" ("retract" is a 400). /abort_request reaches queued
   requests at once and running ones at the next decode step (finish_reason ``abort``, tokens so far kept).
-- /health answers 200 whenever the process serves HTTP; /health_generate runs a one-token generate (503 while
-  memory is released).
+- /health answers 200 whenever the process serves HTTP (routers restart engines that fail it), with ``status``
+  "ok" only when a generate would run: "memory_released", or "weights_not_synced" after discarded weights were
+  resumed and before every tensor was written again (/generate answers 409 meanwhile); a pending group join is
+  listed. /health_generate answers 503 unless the status is "ok", else runs a one-token generate.
 - Every 4xx body is ``{"success": false, "message": ..., "error": {"message": ..., "code": ...}}``.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import io
 import json
 import logging
 import os
-import socket
 import sys
-import threading
 import time
 
 import torch
@@ -55,9 +66,11 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
+from miles.http_guard import LOOPBACK_HOSTS, HttpGuard
 from miles.memory.ledger import process_rss_bytes
 from miles.rollout.batcher import GenerateBatcher
-from miles.rollout.engine import ENGINE_TAGS, EmbeddedEngine, GenerateRequest, SamplingParams
+from miles.rollout.engine import ENGINE_TAGS, EmbeddedEngine, GenerateRequest, SamplingParams, WeightsNotSynced
+from miles.rollout.group_calls import GroupCalls, GroupJoinPending
 from miles.rollout.sglang_api import (
     FLATTENED_BUCKET,
     WireError,
@@ -66,8 +79,12 @@ from miles.rollout.sglang_api import (
     named_tensors_of,
     output_json,
     parse_generate,
+    parse_group_args,
+    parse_tags,
+    parse_version,
     weight_manifest,
 )
+from miles.sync.baseline import MissingTensorError
 
 log = logging.getLogger("miles.serve")
 READY_PREFIX = "miles serve: listening on "
@@ -96,39 +113,31 @@ async def _body(request: Request) -> dict:
     return body
 
 
-def _version(v, field: str = "weight_version") -> int | None:
-    if v is None:
-        return None
-    try:
-        return int(v)
-    except (TypeError, ValueError):
-        raise WireError(f"{field} = {v!r} must be an integer (miles counts versions)") from None
-
-
-def _tags(body: dict) -> list[str]:
-    tags = body.get("tags")
-    if tags is None:
-        return list(ENGINE_TAGS)
-    if isinstance(tags, str) or not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
-        raise WireError(f'tags = {tags!r} must be a list of strings, e.g. ["kv_cache", "weights"]')
-    bad = [t for t in tags if t not in ENGINE_TAGS]
-    if bad:
-        raise WireError(f"unknown memory tag(s) {bad}; valid tags: {list(ENGINE_TAGS)}")
-    return tags
-
-
 class EngineServer:
     """The app's state: one engine, its batcher, and the weight-update receivers.
 
-    server = EngineServer(engine, batch_wait_ms=5); app = server.app   # then run app with uvicorn
+    server = EngineServer(engine, batch_wait_ms=5, api_key=""); app = server.app   # then run app with uvicorn
+
+    Broadcast-group calls go through ``GroupCalls`` (executors of their own, one pending join at most).
     """
 
-    def __init__(self, engine: EmbeddedEngine, *, batch_wait_ms: float = 5.0, info: dict | None = None):
+    def __init__(
+        self,
+        engine: EmbeddedEngine,
+        *,
+        batch_wait_ms: float = 5.0,
+        info: dict | None = None,
+        api_key: str = "",
+        allowed_hosts: tuple[str, ...] = LOOPBACK_HOSTS,
+        group_connect_timeout_s: float = 30.0,
+    ):
         self.engine, self.info = engine, info or {}
         self.batch_wait_s = batch_wait_ms / 1000
         self.batcher: GenerateBatcher | None = None
         self.paused_in_place = False
+        self.groups = GroupCalls(engine, connect_timeout_s=group_connect_timeout_s)
         self.app = FastAPI(title="miles serve", lifespan=self._lifespan)
+        self.app.add_middleware(HttpGuard, api_key=api_key, allowed_hosts=allowed_hosts)
         self._routes()
 
     @contextlib.asynccontextmanager
@@ -137,6 +146,7 @@ class EngineServer:
         self.batcher.start()
         yield
         await self.batcher.stop()
+        self.groups.close()
 
     def _routes(self) -> None:
         """The HTTP surface, by group: serving, control (versions, pause, memory), weight updates (by request, by
@@ -152,8 +162,14 @@ class EngineServer:
             return _error(400, f"invalid request: {exc.errors()}")
 
         @app.exception_handler(Conflict)
+        @app.exception_handler(GroupJoinPending)
+        @app.exception_handler(WeightsNotSynced)
         async def conflict(_, exc):
             return _error(409, str(exc))
+
+        @app.exception_handler(MissingTensorError)  # a KeyError: a disk-delta version naming an unknown tensor
+        async def missing_tensor(_, exc):
+            return _error(400, str(exc.args[0] if exc.args else exc))
 
         for group in (
             self._serving_routes,
@@ -170,19 +186,24 @@ class EngineServer:
         @app.api_route("/generate", methods=["POST", "PUT"])
         async def generate(request: Request):
             body = await _body(request)
-            reqs, seed, is_batch = parse_generate(body)
+            reqs, seed, is_batch = parse_generate(body, vocab_size=e.cfg.vocab_size, max_seq_len=e.max_seq_len)
+            if not e.weights_synced:
+                raise Conflict(e.unsynced_message())
             outs = await self.batcher.submit(reqs, seed)
             res = [output_json(o, len(r.input_ids), bool(body.get("return_logprob"))) for r, o in zip(reqs, outs)]
             return res if is_batch else res[0]
 
         @app.get("/health")
         async def health():
-            return {"status": "ok"}
+            """Liveness (200 while the process serves; routers restart engines that fail it) with the truth about
+            readiness in the body: status "ok" only when a generate would run now."""
+            return self.status()
 
         @app.get("/health_generate")
         async def health_generate():
-            if e.memory.is_paused("weights") or e.memory.is_paused("kv_cache"):
-                return _error(503, "memory is released; resume_memory_occupation before generating")
+            status = self.status()
+            if status["status"] != "ok":
+                return _error(503, status["message"])
             req = GenerateRequest(
                 rid=f"HEALTH_CHECK_{time.time_ns()}",
                 input_ids=[0],
@@ -220,6 +241,17 @@ class EngineServer:
         async def weight_version():
             return {"weight_version": e.weight_version}
 
+    def status(self) -> dict:
+        e = self.engine
+        out = {"status": "ok", "weight_version": e.weight_version}
+        if e.memory.is_paused("weights") or e.memory.is_paused("kv_cache"):
+            out.update(status="memory_released", message="memory is released; resume_memory_occupation first")
+        elif not e.weights_synced:
+            out.update(status="weights_not_synced", message=e.unsynced_message())
+        if pending := self.groups.pending_status():
+            out["pending_group_join"] = pending
+        return out
+
     def _control_routes(self, app: FastAPI, e: EmbeddedEngine) -> None:
         """Weight version, cache, aborts, pause / continue, memory release / resume."""
 
@@ -228,7 +260,7 @@ class EngineServer:
             body = await _body(request)
             if body.get("abort_all_requests"):
                 self.batcher.abort(None)
-            e.set_weight_version(_version(body.get("new_version"), "new_version") or 0)
+            e.set_weight_version(parse_version(body.get("new_version"), "new_version") or 0)
             return {
                 "success": True,
                 "message": f"weight version is {e.weight_version}",
@@ -271,11 +303,11 @@ class EngineServer:
 
         @app.api_route("/release_memory_occupation", methods=["GET", "POST"])
         async def release(request: Request):
-            return await self._memory(e.release_memory, _tags(await _body(request)))
+            return await self._memory(e.release_memory, parse_tags(await _body(request)))
 
         @app.api_route("/resume_memory_occupation", methods=["GET", "POST"])
         async def resume(request: Request):
-            return await self._memory(e.resume_memory, _tags(await _body(request)))
+            return await self._memory(e.resume_memory, parse_tags(await _body(request)))
 
     def _weight_routes(self, app: FastAPI, e: EmbeddedEngine) -> None:
         """Weight updates: tensor buckets, transactions, disk deltas."""
@@ -286,7 +318,7 @@ class EngineServer:
             entries = body.get("serialized_named_tensors")
             if not isinstance(entries, list) or not entries or not all(isinstance(s, str) for s in entries):
                 raise WireError("serialized_named_tensors must be a non-empty list of base64 strings (one per TP rank)")
-            version = _version(body.get("weight_version"))
+            version = parse_version(body.get("weight_version"))
             if body.get("load_format") == FLATTENED_BUCKET:  # the engine opens it (and lands it in an open update)
                 for s in entries:
                     await asyncio.to_thread(_apply_bucket, e, bucket_handle(decode_payload(s)), version)
@@ -312,12 +344,20 @@ class EngineServer:
         @app.post("/update_weights_from_disk")
         async def update_from_disk(request: Request):
             body = await _body(request)
-            path = body.get("model_path")
+            path, version = body.get("model_path"), parse_version(body.get("weight_version"))
             if not isinstance(path, str) or not path:
                 raise WireError("/update_weights_from_disk needs model_path (a disk-delta directory)")
-            if not os.path.isdir(path):
-                raise WireError(f"model_path {path!r} is not a directory on the server's machine")
-            await asyncio.to_thread(e.update_weights_from_disk, path, _version(body.get("weight_version")))
+            if version is None:
+                raise WireError("/update_weights_from_disk needs weight_version: the disk-delta version to load")
+            if not os.path.isdir(path) or path.endswith(".safetensors"):
+                raise WireError(f"model_path {path!r} is not a disk-delta directory on the server's machine")
+            try:
+                await asyncio.to_thread(e.update_weights_from_disk, path, version)
+            except (TypeError, AttributeError) as err:  # an index.json of the wrong shape (e.g. tensors a list)
+                raise WireError(
+                    f"version {version} under {path} is malformed ({type(err).__name__}: {err}); "
+                    "the engine keeps its weights"
+                ) from None
             return {
                 "success": True,
                 "message": f"loaded {path}; weight version {e.weight_version}",
@@ -329,19 +369,7 @@ class EngineServer:
 
         @app.post("/init_weights_update_group")
         async def init_group(request: Request):
-            body = await _body(request)
-            need = ("master_address", "master_port", "rank_offset", "world_size")
-            if missing := [k for k in need if k not in body]:
-                raise WireError(f"/init_weights_update_group needs {list(need)}; missing {missing}")
-            await asyncio.to_thread(
-                e.init_weights_update_group,
-                str(body["master_address"]),
-                int(body["master_port"]),
-                int(body["rank_offset"]),
-                int(body["world_size"]),
-                body.get("group_name", "weight_update_group"),
-                body.get("backend") or "gloo",
-            )
+            await self.groups.join(*parse_group_args(await _body(request)))
             return {"success": True, "message": "weights update group initialised"}
 
         @app.post("/update_weights_from_distributed")
@@ -357,21 +385,14 @@ class EngineServer:
                 raise WireError(
                     "/update_weights_from_distributed needs names, dtypes and shapes: lists of equal length"
                 )
-            await asyncio.to_thread(
-                e.update_weights_from_distributed,
-                names,
-                dtypes,
-                shapes,
-                body.get("group_name", "weight_update_group"),
-                _version(body.get("weight_version")),
-            )
+            group = str(body.get("group_name", "weight_update_group"))
+            await self.groups.receive(names, dtypes, shapes, group, parse_version(body.get("weight_version")))
             return {"success": True, "message": f"received {len(names)} tensors; weight version {e.weight_version}"}
 
         @app.post("/destroy_weights_update_group")
         async def destroy_group(request: Request):
-            await asyncio.to_thread(
-                e.destroy_weights_update_group, (await _body(request)).get("group_name", "weight_update_group")
-            )
+            name = (await _body(request)).get("group_name", "weight_update_group")
+            await self.groups.leave(str(name))
             return {"success": True, "message": "weights update group destroyed"}
 
     def _inspection_routes(self, app: FastAPI, e: EmbeddedEngine) -> None:
@@ -381,10 +402,14 @@ class EngineServer:
         async def weights_by_name(request: Request):
             body = await _body(request)
             name, n = body.get("name"), body.get("truncate_size", 100)
+            if not isinstance(name, str):
+                raise WireError(f"name = {str(name)[:80]} must be a string (one weight name)")
+            if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+                raise WireError(f"truncate_size = {n!r} must be a non-negative integer")
             weights = self._weights()
             if name not in weights:
                 raise WireError(f"no weight named {name!r}; e.g. {next(iter(weights))!r}")
-            return weights[name][: int(n)].float().tolist()
+            return weights[name][:n].float().tolist()
 
         @app.get("/miles/weights")
         async def all_weights():
@@ -451,66 +476,11 @@ def build_engine(cfg, device: str, owner: str = "engine/0") -> EmbeddedEngine:
     )
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="miles serve", description="serve the embedded engine over SGLang's HTTP API")
-    p.add_argument("--recipe", default="quickstart")
-    p.add_argument("--config", default="", help="a RunConfig JSON file (e.g. a run's config.json); overrides --recipe")
-    p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=30000, help="0 picks a free port (printed on stdout)")
-    p.add_argument("--owner", default="engine/0", help="owner name in the memory ledger")
-    p.add_argument(
-        "--batch-wait-ms", type=float, default=5.0, help="how long to collect concurrent requests into a batch"
-    )
-    p.add_argument("--parent-pid", type=int, default=0, help="exit when this process is gone (set by spawners)")
-    p.add_argument("--log-level", default="warning")
-    return p
-
-
-def load_config(args):
-    from miles.config import RunConfig, apply_overrides
-    from miles.recipes import get_recipe
-
-    if args.config:
-        with open(args.config) as f:
-            cfg = RunConfig.from_dict(json.load(f))
-    else:
-        cfg = get_recipe(args.recipe)
-    return apply_overrides(cfg, args.set)
-
-
-def _watch_parent(pid: int) -> None:
-    def watch():
-        while True:
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                os._exit(0)
-            time.sleep(1.0)
-
-    threading.Thread(target=watch, daemon=True, name="parent-watch").start()
-
-
 def main(argv: list[str] | None = None) -> int:
-    import uvicorn
+    """``miles serve`` (miles.rollout.serve_cli): imported when run, so the app module stays free of the CLI."""
+    from miles.rollout.serve_cli import main as serve_main
 
-    args = _parser().parse_args(argv)
-    cfg = load_config(args)
-    if cfg.num_threads:
-        torch.set_num_threads(cfg.num_threads)
-    device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    engine = build_engine(cfg, device, args.owner)
-    server = EngineServer(engine, batch_wait_ms=args.batch_wait_ms, info={"recipe": cfg.recipe, "owner": args.owner})
-    if args.parent_pid:
-        _watch_parent(args.parent_pid)
-    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((args.host, args.port))
-    sock.listen(2048)
-    print(f"{READY_PREFIX}http://{args.host}:{sock.getsockname()[1]}", flush=True)
-    config = uvicorn.Config(server.app, log_level=args.log_level, access_log=False, timeout_keep_alive=60, backlog=2048)
-    uvicorn.Server(config).run(sockets=[sock])
-    return 0
+    return serve_main(argv)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from collections.abc import Iterable
 import httpx
 import torch
 
+from miles.http_guard import api_key_from, bearer_headers
 from miles.rollout.engine import EngineError, GenerateOutput, GenerateRequest
 from miles.rollout.sglang_api import FLATTENED_BUCKET, as_version, encode_payload, generate_body, parse_output
 
@@ -39,12 +40,23 @@ class SGLangClient:
     client.named_weights(); client.close()                   # close() also stops an owned server process
     """
 
-    def __init__(self, url: str, *, flavor: str = "miles", timeout_s: float = 600.0, ledger=None, process=None):
+    def __init__(
+        self,
+        url: str,
+        *,
+        flavor: str = "miles",
+        timeout_s: float = 600.0,
+        ledger=None,
+        process=None,
+        api_key: str | None = None,
+    ):
         if flavor not in ("miles", "sglang"):
             raise ValueError(f"flavor {flavor!r} must be 'miles' (miles serve) or 'sglang' (a real SGLang server)")
         self.url, self.flavor, self.timeout_s = url.rstrip("/"), flavor, timeout_s
         self.ledger, self.process = ledger, process
-        self.http = httpx.Client(base_url=self.url, timeout=timeout_s)
+        self.api_key = api_key_from(api_key)  # both servers take it as SGLang's --api-key does: a Bearer header
+        self.headers = bearer_headers(self.api_key)
+        self.http = httpx.Client(base_url=self.url, timeout=timeout_s, headers=self.headers)
         self._aclients: dict[int, httpx.AsyncClient] = {}
         self._opened = None
         self._pull_ledger()
@@ -94,7 +106,7 @@ class SGLangClient:
         if client is None:
             limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
             client = self._aclients[id(loop)] = httpx.AsyncClient(
-                base_url=self.url, timeout=self.timeout_s, limits=limits
+                base_url=self.url, timeout=self.timeout_s, limits=limits, headers=self.headers
             )
         try:
             r = await client.post("/generate", json=generate_body(requests, seed))

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import base64
 import io
+import math
+import sys
 import uuid
 from typing import Any
 
 import torch
 
-from miles.rollout.engine import GenerateOutput, GenerateRequest, SamplingParams
+from miles.rollout.engine import ENGINE_TAGS, GenerateOutput, GenerateRequest, SamplingParams
 from miles.sync.flat_bucket import BucketHandle, TensorMeta
 
 FLATTENED_BUCKET = "flattened_bucket"  # load_format of a serialized BucketHandle (shared memory / CUDA IPC)
@@ -47,8 +49,12 @@ def generate_body(requests: list[GenerateRequest], seed: int | None = None) -> d
     }
 
 
-def parse_generate(body: Any) -> tuple[list[GenerateRequest], int | None, bool]:
-    """(requests, seed, is_batch) from a /generate body; raises WireError with the field at fault."""
+def parse_generate(
+    body: Any, *, vocab_size: int = 0, max_seq_len: int = 0
+) -> tuple[list[GenerateRequest], int | None, bool]:
+    """(requests, seed, is_batch) from a /generate body; raises WireError with the field at fault. Every value is
+    checked here, per call, so that no request can fail the engine batch it would share with others; with the
+    engine's ``vocab_size`` and ``max_seq_len`` token ids and lengths are checked too."""
     if not isinstance(body, dict):
         raise WireError(f"/generate expects a JSON object, got {type(body).__name__}")
     if body.get("stream"):
@@ -66,7 +72,15 @@ def parse_generate(body: Any) -> tuple[list[GenerateRequest], int | None, bool]:
     for i, (one, rid, sp) in enumerate(zip(batch, rids, sps)):
         if not isinstance(one, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in one):
             raise WireError(f"input_ids[{i}] must be a list of integers, got {str(one)[:60]}")
-        sampling, seed = _sampling(sp, i)
+        if not one:
+            raise WireError(f"input_ids[{i}] is empty; send at least one token")
+        _check_ids(one, f"input_ids[{i}]", vocab_size)
+        sampling, seed = _sampling(sp, i, vocab_size)
+        if max_seq_len and len(one) + sampling.max_new_tokens > max_seq_len:
+            raise WireError(
+                f"request {i}: prompt {len(one)} + sampling_params.max_new_tokens {sampling.max_new_tokens} exceeds "
+                f"the engine's max_seq_len {max_seq_len}; shorten it or raise rollout.max_seq_len"
+            )
         seeds.add(seed)
         requests.append(
             GenerateRequest(rid=str(rid) if rid is not None else uuid.uuid4().hex, input_ids=one, sampling=sampling)
@@ -87,9 +101,12 @@ def _per_request(value, n: int, name: str) -> list:
 
 
 _SAMPLING_FIELDS = {"max_new_tokens": int, "temperature": float, "top_p": float}
+MIN_TEMPERATURE = 1e-6  # below it (but not 0) logits / temperature overflow float32: NaN probabilities
+MAX_TOKEN_ID = 2**63  # token ids travel as int64
+SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed takes
 
 
-def _sampling(sp, i: int) -> tuple[SamplingParams, int | None]:
+def _sampling(sp, i: int, vocab_size: int = 0) -> tuple[SamplingParams, int | None]:
     if not isinstance(sp, dict):
         raise WireError(f"sampling_params[{i}] must be an object, got {type(sp).__name__}")
     kw = {}
@@ -97,18 +114,42 @@ def _sampling(sp, i: int) -> tuple[SamplingParams, int | None]:
         if sp.get(name) is None:
             continue
         v = sp[name]
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or (tp is int and not float(v).is_integer()):
-            raise WireError(f"sampling_params.{name} = {v!r} must be {'an integer' if tp is int else 'a number'}")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise WireError(f"request {i}: sampling_params.{name} = {v!r} must be a finite number")
+        if tp is int and not float(v).is_integer():
+            raise WireError(f"request {i}: sampling_params.{name} = {v!r} must be an integer")
         kw[name] = tp(v)
-    if kw.get("max_new_tokens", 1) < 0 or kw.get("temperature", 1.0) < 0 or not 0 < kw.get("top_p", 1.0) <= 1:
-        raise WireError(f"sampling_params {sp}: need max_new_tokens >= 0, temperature >= 0, 0 < top_p <= 1")
+    _check_ranges(kw, i)
     stop = sp.get("stop_token_ids") or ()
-    if not isinstance(stop, (list, tuple)) or not all(isinstance(t, int) for t in stop):
-        raise WireError(f"sampling_params.stop_token_ids = {stop!r} must be a list of integers")
+    if not isinstance(stop, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in stop):
+        raise WireError(f"request {i}: sampling_params.stop_token_ids = {str(stop)[:60]} must be a list of integers")
+    _check_ids(stop, f"request {i}: sampling_params.stop_token_ids", vocab_size)
     seed = sp.get("sampling_seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise WireError(f"sampling_params.sampling_seed = {seed!r} must be an integer")
+    if seed is not None and (
+        isinstance(seed, bool) or not isinstance(seed, int) or not SEED_RANGE[0] <= seed < SEED_RANGE[1]
+    ):
+        raise WireError(f"request {i}: sampling_params.sampling_seed = {seed!r} must be a 64-bit integer")
     return SamplingParams(**kw, stop_token_ids=tuple(stop)), seed
+
+
+def _check_ranges(kw: dict, i: int) -> None:
+    n, temp, top_p = kw.get("max_new_tokens", 1), kw.get("temperature", 1.0), kw.get("top_p", 1.0)
+    if n < 0:
+        raise WireError(f"request {i}: sampling_params.max_new_tokens = {n} must be >= 0")
+    if temp != 0 and not MIN_TEMPERATURE <= temp:
+        raise WireError(
+            f"request {i}: sampling_params.temperature = {temp!r} must be 0 (greedy) or >= {MIN_TEMPERATURE}"
+        )
+    if not (0 < top_p <= 1 and top_p >= sys.float_info.min):  # a denormal top_p is not a probability mass
+        raise WireError(f"request {i}: sampling_params.top_p = {top_p!r} must be in (0, 1] (and not denormal)")
+
+
+def _check_ids(ids, field: str, vocab_size: int) -> None:
+    hi = vocab_size or MAX_TOKEN_ID
+    bad = [t for t in ids if not 0 <= t < hi]
+    if bad:
+        where = f"the vocabulary [0, {vocab_size})" if vocab_size else "[0, 2**63)"
+        raise WireError(f"{field}: token ids {', '.join(str(t)[:24] for t in bad[:5])} are outside {where}")
 
 
 def output_json(o: GenerateOutput, prompt_len: int, return_logprob: bool) -> dict:
@@ -156,6 +197,51 @@ def as_version(v) -> int:
         return int(v)
     except (TypeError, ValueError):
         return 0
+
+
+# ---- control bodies ------------------------------------------------------------------------------------------
+def parse_version(v, field: str = "weight_version") -> int | None:
+    """An integer weight version from a body field (SGLang sends strings); None when absent."""
+    if v is None:
+        return None
+    try:
+        n = int(v)
+    except (TypeError, ValueError, OverflowError):
+        raise WireError(f"{field} = {v!r} must be an integer (miles counts versions)") from None
+    if isinstance(v, bool) or not 0 <= n < 2**63:
+        raise WireError(f"{field} = {v!r} must be an integer in [0, 2**63)")
+    return n
+
+
+def parse_tags(body: dict) -> list[str]:
+    """The memory tags of a release / resume body (all engine tags when absent)."""
+    tags = body.get("tags")
+    if tags is None:
+        return list(ENGINE_TAGS)
+    if isinstance(tags, str) or not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
+        raise WireError(f'tags = {tags!r} must be a list of strings, e.g. ["kv_cache", "weights"]')
+    bad = [t for t in tags if t not in ENGINE_TAGS]
+    if bad:
+        raise WireError(f"unknown memory tag(s) {bad}; valid tags: {list(ENGINE_TAGS)}")
+    return tags
+
+
+def parse_group_args(body: dict) -> tuple:
+    """(master_address, master_port, rank_offset, world_size, group_name, backend) of an
+    /init_weights_update_group body, each checked."""
+    need = ("master_address", "master_port", "rank_offset", "world_size")
+    if missing := [k for k in need if k not in body]:
+        raise WireError(f"/init_weights_update_group needs {list(need)}; missing {missing}")
+    try:
+        port, rank, world = (int(body[k]) for k in need[1:])
+    except (TypeError, ValueError):
+        raise WireError(f"master_port, rank_offset and world_size must be integers; got {body}") from None
+    if not (0 < port < 65536 and 0 < rank < world):  # rank 0 is the sender, which hosts the rendezvous
+        raise WireError(f"need 0 < master_port < 65536 and 1 <= rank_offset < world_size; got {port}, {rank}, {world}")
+    name, backend = body.get("group_name", "weight_update_group"), body.get("backend") or "gloo"
+    if not isinstance(name, str) or backend not in ("gloo", "nccl"):
+        raise WireError(f"group_name must be a string and backend 'gloo' or 'nccl'; got {name!r}, {backend!r}")
+    return str(body["master_address"]), port, rank, world, name, backend
 
 
 # ---- tensor payloads ----------------------------------------------------------------------------------------

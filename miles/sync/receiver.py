@@ -268,8 +268,11 @@ def make_group(
     group_name: str,
     backend: str,
     timeout_s: float = 300.0,
+    connect_timeout_s: float | None = None,
 ):
     """A torch.distributed process group of its own (TCPStore rendezvous), independent of any default group.
+    ``connect_timeout_s`` bounds the rendezvous (reaching the store, all ranks joining); ``timeout_s`` each
+    collective afterwards.
 
     It does not touch ``torch.distributed``'s default group, so a trainer already in an FSDP world and an
     engine process can both join it. Gloo binds to an explicit address of this host (the rendezvous address
@@ -278,7 +281,8 @@ def make_group(
     import torch.distributed as dist
 
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=timeout)
+    connect = datetime.timedelta(seconds=connect_timeout_s or timeout_s)
+    store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=connect)
     prefixed = dist.PrefixStore(group_name, store)
     if backend == "gloo":
         opts = dist.ProcessGroupGloo._Options()
@@ -339,12 +343,13 @@ def join_group(
     group_name: str,
     backend: str = "gloo",
     timeout_s: float = 300.0,
+    connect_timeout_s: float | None = None,
 ) -> None:
     """Engine-process side of ``init_weights_update_group`` (this process is rank ``rank_offset``)."""
     if group_name in _GROUPS:
         return
     _GROUPS[group_name] = make_group(
-        master_address, master_port, rank_offset, world_size, group_name, backend, timeout_s
+        master_address, master_port, rank_offset, world_size, group_name, backend, timeout_s, connect_timeout_s
     )
 
 

@@ -52,7 +52,7 @@ def serve(serve_cfg):
     opened = []
 
     def start(**kwargs) -> ThreadedServer:
-        s = ThreadedServer(EngineServer(build_engine(serve_cfg, "cpu"), batch_wait_ms=5, **kwargs)).__enter__()
+        s = ThreadedServer(EngineServer(build_engine(serve_cfg, "cpu"), **{"batch_wait_ms": 5, **kwargs})).__enter__()
         opened.append(s)
         return s
 

@@ -1,0 +1,129 @@
+"""Who may drive miles' local HTTP servers (``miles serve``, ``miles dashboard``): a web page the user happens to
+visit must not, and neither must anyone without the API key when one is set.
+
+A browser can send a cross-site "simple" request (``Content-Type: text/plain``, no preflight) to a loopback
+port, and a DNS name re-pointed at 127.0.0.1 (DNS rebinding) even lets the page read the answer. The guard, an
+ASGI middleware in front of the whole app, refuses:
+- a ``Host`` header outside the allow-list (loopback names plus the bound host by default; 400),
+- a request a browser marks as cross-site (``Sec-Fetch-Site: cross-site``, or an ``Origin`` outside the
+  allow-list; 403),
+- a request body that is not declared ``application/json`` (415; SGLang's clients always declare it),
+- with an API key set (``--api-key`` or ``MILES_API_KEY``, as SGLang's ``--api-key``): a request without
+  ``Authorization: Bearer <key>`` (401), except the liveness probe ``/health``.
+
+    app.add_middleware(HttpGuard, api_key=key, allowed_hosts=allowed_hosts("127.0.0.1"))
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import os
+
+API_KEY_ENV = "MILES_API_KEY"
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
+WILDCARD_BINDS = ("0.0.0.0", "::", "")
+BODY_METHODS = (b"POST", b"PUT", b"PATCH")
+
+
+def api_key_from(cli_value: str | None) -> str:
+    """The key given on the command line, else ``$MILES_API_KEY``, else "" (no key)."""
+    return cli_value if cli_value is not None else os.environ.get(API_KEY_ENV, "")
+
+
+def bearer_headers(api_key: str | None = None) -> dict[str, str]:
+    """What a client of these servers sends: the Authorization header when a key is given or in the environment."""
+    key = api_key_from(api_key)
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def allowed_hosts(bind_host: str, extra: str = "") -> tuple[str, ...]:
+    """Host names a request may name: loopback and the bound host, plus ``extra`` (comma-separated; "*" = any).
+    A wildcard bind (0.0.0.0, ::) is reached under names this process cannot know: any host then."""
+    names = [h.strip().lower().strip("[]") for h in extra.split(",") if h.strip()]
+    if bind_host in WILDCARD_BINDS or "*" in names:
+        return ("*",)
+    return tuple(dict.fromkeys([*LOOPBACK_HOSTS, bind_host.lower().strip("[]"), *names]))
+
+
+def is_loopback(bind_host: str) -> bool:
+    return bind_host.strip("[]") in LOOPBACK_HOSTS
+
+
+def exposure_warning(prog: str, bind_host: str, api_key: str) -> str:
+    """The loud line printed when a server listens beyond loopback without a key ("" when there is nothing to say)."""
+    if is_loopback(bind_host) or api_key:
+        return ""
+    return (
+        f"WARNING {prog}: listening on {bind_host or '*'} without an API key: anyone who can reach this port can "
+        f"drive it. Set --api-key or ${API_KEY_ENV}, or bind 127.0.0.1"
+    )
+
+
+def host_of(value: str) -> str:
+    """The host part of a Host header or an Origin's authority, lower-case, IPv6 brackets removed."""
+    value = value.strip().lower()
+    if "://" in value:
+        value = value.split("://", 1)[1].split("/", 1)[0]
+    if value.startswith("["):
+        return value[1 : value.find("]")] if "]" in value else value
+    return value.rsplit(":", 1)[0] if value.count(":") == 1 else value
+
+
+class HttpGuard:
+    """ASGI middleware; see the module docstring for what it refuses and with which status."""
+
+    def __init__(
+        self,
+        app,
+        *,
+        api_key: str = "",
+        allowed_hosts: tuple[str, ...] = LOOPBACK_HOSTS,
+        open_paths: tuple[str, ...] = ("/health",),
+    ):
+        self.app, self.api_key, self.open_paths = app, api_key, open_paths
+        self.any_host = "*" in allowed_hosts
+        self.hosts = {host_of(h) for h in allowed_hosts}
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        problem = self.check(scope)
+        if problem is None:
+            return await self.app(scope, receive, send)
+        status, message, extra = problem
+        body = json.dumps({"success": False, "message": message, "error": {"message": message, "code": status}})
+        headers = [(b"content-type", b"application/json"), *extra]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body.encode()})
+
+    def check(self, scope) -> tuple[int, str, list] | None:
+        """None when the request may pass, else (status, message naming the fix, extra headers)."""
+        headers = {}
+        for k, v in scope.get("headers", ()):
+            headers.setdefault(k.decode("latin-1").lower(), v.decode("latin-1"))
+        host = host_of(headers.get("host", ""))
+        if not self.any_host and host not in self.hosts:
+            return 400, f"Invalid host header {host!r}: this server answers only to {sorted(self.hosts)}", []
+        origin = headers.get("origin")
+        if headers.get("sec-fetch-site") == "cross-site" or (
+            origin is not None and not self.any_host and host_of(origin) not in self.hosts
+        ):
+            return 403, f"cross-site request refused (Origin {origin!r}); call this API from a program, not a page", []
+        if self.api_key and scope["path"] not in self.open_paths:
+            given = headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+                return (
+                    401,
+                    "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                    [(b"www-authenticate", b"Bearer")],
+                )
+        if scope["method"].encode() in BODY_METHODS and _has_body(headers):
+            ctype = headers.get("content-type", "").split(";", 1)[0].strip().lower()
+            if ctype != "application/json":
+                return 415, f"Content-Type {ctype!r} is not accepted; send the body as 'application/json'", []
+        return None
+
+
+def _has_body(headers: dict[str, str]) -> bool:
+    return headers.get("content-length", "0").strip() not in ("0", "") or "transfer-encoding" in headers

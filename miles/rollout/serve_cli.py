@@ -1,0 +1,130 @@
+"""The ``miles serve`` command: parse the arguments, bind the port (a taken one fails at once, with the
+address and the fix in one line), build the engine, guard the app (miles.http_guard) and run uvicorn.
+``python -m miles.rollout.server`` and ``miles serve`` both land in ``main``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import threading
+import time
+
+import torch
+
+from miles.http_guard import API_KEY_ENV, allowed_hosts, api_key_from, exposure_warning
+from miles.rollout.server import READY_PREFIX, EngineServer, build_engine
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="miles serve", description="serve the embedded engine over SGLang's HTTP API")
+    p.add_argument("--recipe", default="quickstart")
+    p.add_argument("--config", default="", help="a RunConfig JSON file (e.g. a run's config.json); overrides --recipe")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
+    p.add_argument("--host", default="127.0.0.1", help="interface to bind; the default keeps it on this machine")
+    p.add_argument("--port", type=_port, default=30000, help="0 picks a free port (printed on stdout)")
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help=f"require 'Authorization: Bearer KEY' on every endpoint but /health (default: ${API_KEY_ENV}, else none)",
+    )
+    p.add_argument(
+        "--allowed-hosts",
+        default="",
+        help="extra names the Host header may carry, comma-separated ('*' = any); loopback and --host always pass",
+    )
+    p.add_argument(
+        "--group-connect-timeout-s",
+        type=float,
+        default=30.0,
+        help="how long /init_weights_update_group waits for the rendezvous before it answers 400",
+    )
+    p.add_argument("--owner", default="engine/0", help="owner name in the memory ledger")
+    p.add_argument(
+        "--batch-wait-ms", type=float, default=5.0, help="how long to collect concurrent requests into a batch"
+    )
+    p.add_argument("--parent-pid", type=int, default=0, help="exit when this process is gone (set by spawners)")
+    p.add_argument("--log-level", default="warning")
+    return p
+
+
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port; use 0..65535 (0 = any free port)")
+    return port
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket; an OSError whose message names the address and the fix when it cannot be had."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise OSError(
+            e.errno, f"miles serve cannot listen on {host}:{port} ({e.strerror}); pick another --port, or 0 for any"
+        ) from None
+    sock.listen(2048)
+    return sock
+
+
+def load_config(args):
+    from miles.config import RunConfig, apply_overrides
+    from miles.recipes import get_recipe
+
+    if args.config:
+        with open(args.config) as f:
+            cfg = RunConfig.from_dict(json.load(f))
+    else:
+        cfg = get_recipe(args.recipe)
+    return apply_overrides(cfg, args.set)
+
+
+def _watch_parent(pid: int) -> None:
+    def watch():
+        while True:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                os._exit(0)
+            time.sleep(1.0)
+
+    threading.Thread(target=watch, daemon=True, name="parent-watch").start()
+
+
+def main(argv: list[str] | None = None) -> int:
+    import uvicorn
+
+    args = _parser().parse_args(argv)
+    cfg = load_config(args)
+    api_key = api_key_from(args.api_key)
+    if warning := exposure_warning("miles serve", args.host, api_key):
+        print(warning, file=sys.stderr, flush=True)
+    sock = bind(args.host, args.port)  # before the engine is built: a taken port fails in a moment
+    if cfg.num_threads:
+        torch.set_num_threads(cfg.num_threads)
+    device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    engine = build_engine(cfg, device, args.owner)
+    server = EngineServer(
+        engine,
+        batch_wait_ms=args.batch_wait_ms,
+        info={"recipe": cfg.recipe, "owner": args.owner},
+        api_key=api_key,
+        allowed_hosts=allowed_hosts(args.host, args.allowed_hosts),
+        group_connect_timeout_s=args.group_connect_timeout_s,
+    )
+    if args.parent_pid:
+        _watch_parent(args.parent_pid)
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    print(f"{READY_PREFIX}http://{host}:{sock.getsockname()[1]}", flush=True)
+    config = uvicorn.Config(server.app, log_level=args.log_level, access_log=False, timeout_keep_alive=60, backlog=2048)
+    uvicorn.Server(config).run(sockets=[sock])
+    return 0

@@ -1,0 +1,97 @@
+"""Who may drive `miles serve` (miles.http_guard): not a web page (foreign Host, text/plain, cross-site), and with
+an API key nobody without it (review 2026-12-03, defect 2)."""
+
+from __future__ import annotations
+
+import socket
+
+import httpx
+import pytest
+
+from miles.http_guard import allowed_hosts, exposure_warning, host_of
+from miles.rollout.engine import EngineError, GenerateRequest, SamplingParams
+from miles.rollout.serve_cli import main as serve_main
+from miles.rollout.sglang import SGLangClient
+
+pytestmark = pytest.mark.timeout(120)
+
+BUMP = b'{"new_version": 4242}'
+
+
+def _version(url: str) -> int:
+    return httpx.get(url + "/get_weight_version").json()["weight_version"]
+
+
+def test_a_cross_origin_text_plain_post_with_a_foreign_host_is_refused_and_the_weight_version_stays(serve):
+    s = serve()
+    port = s.url.rsplit(":", 1)[1]
+    post = lambda headers: httpx.post(s.url + "/update_weight_version", content=BUMP, headers=headers)  # noqa: E731
+    page = {"Content-Type": "text/plain", "Origin": "http://attacker.example"}
+    refused = {
+        "the review's request (DNS rebinding)": (post({**page, "Host": "attacker.example"}), 400),
+        "a page posting to 127.0.0.1": (post(page), 403),
+        "text/plain from a program": (post({"Content-Type": "text/plain"}), 415),
+        "no Content-Type": (post({}), 415),
+        "JSON marked cross-site": (post({"Content-Type": "application/json", "Sec-Fetch-Site": "cross-site"}), 403),
+        "an <img> GET releasing memory": (
+            httpx.get(s.url + "/release_memory_occupation", headers={"Sec-Fetch-Site": "cross-site"}),
+            403,
+        ),
+    }
+    for what, (r, status) in refused.items():
+        assert r.status_code == status and r.json()["success"] is False, (what, r.status_code, r.text)
+    assert _version(s.url) == 0
+    assert httpx.get(s.url + "/miles/memory").json()["tags"]["weights"]["paused"] is False
+    for host in (f"localhost:{port}", f"127.0.0.1:{port}", f"[::1]:{port}"):
+        r = httpx.post(s.url + "/update_weight_version", json={"new_version": 3}, headers={"Host": host})
+        assert r.status_code == 200, (host, r.text)
+    assert _version(s.url) == 3
+
+
+def test_with_an_api_key_every_endpoint_but_health_needs_the_bearer_header(serve, monkeypatch):
+    s = serve(api_key="s3cret")
+    assert httpx.get(s.url + "/health").status_code == 200
+    body = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}}
+    assert httpx.post(s.url + "/generate", json=body).status_code == 401
+    wrong = httpx.post(s.url + "/generate", json=body, headers={"Authorization": "Bearer nope"})
+    assert wrong.status_code == 401 and "API key" in wrong.json()["message"]
+    assert httpx.post(s.url + "/update_weight_version", json={"new_version": 9}).status_code == 401
+    assert _version_with(s.url, "s3cret") == 0
+    with pytest.raises(EngineError, match="401"):
+        SGLangClient(s.url).set_weight_version(9)
+    req = GenerateRequest(rid="k", input_ids=[1, 2], sampling=SamplingParams(max_new_tokens=2))
+    assert len(SGLangClient(s.url, api_key="s3cret").generate([req])[0].output_ids) == 2
+    monkeypatch.setenv("MILES_API_KEY", "s3cret")  # the manager's clients and spawned servers read it
+    client = SGLangClient(s.url)
+    client.set_weight_version(9)
+    assert client.weight_version == 9
+
+
+def _version_with(url: str, key: str) -> int:
+    return httpx.get(url + "/get_weight_version", headers={"Authorization": f"Bearer {key}"}).json()["weight_version"]
+
+
+def test_binding_beyond_loopback_without_a_key_warns_and_a_taken_port_is_one_clear_error(capsys):
+    assert exposure_warning("miles serve", "127.0.0.1", "") == ""
+    assert exposure_warning("miles serve", "0.0.0.0", "k") == ""
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        with pytest.raises(OSError, match=rf"miles serve cannot listen on 0.0.0.0:{port} \(.*\); pick another --port"):
+            serve_main(["--host", "0.0.0.0", "--port", str(port)])
+    err = capsys.readouterr().err
+    assert "WARNING miles serve: listening on 0.0.0.0 without an API key" in err and "--api-key" in err
+
+
+def test_the_host_allow_list_is_loopback_and_the_bound_host_and_reads_ipv6_host_headers():
+    assert allowed_hosts("127.0.0.1") == ("localhost", "127.0.0.1", "::1")
+    assert allowed_hosts("10.1.2.3", "box.lan") == ("localhost", "127.0.0.1", "::1", "10.1.2.3", "box.lan")
+    assert allowed_hosts("0.0.0.0") == ("*",)
+    assert [host_of(h) for h in ("[::1]:30000", "::1", "LocalHost:1", "http://a.example:80/x", "127.0.0.1.evil")] == [
+        "::1",
+        "::1",
+        "localhost",
+        "a.example",
+        "127.0.0.1.evil",
+    ]
