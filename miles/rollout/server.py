@@ -443,6 +443,8 @@ class EngineServer:
     def _weights(self) -> dict[str, torch.Tensor]:
         if self.engine.memory.is_paused("weights"):
             raise Conflict('weights are released; /resume_memory_occupation {"tags": ["weights"]} first')
+        if not self.engine.weights_synced:  # discarded bytes (often NaN): nothing to read
+            raise Conflict(self.engine.unsynced_message())
         return self.engine.named_weights()
 
 

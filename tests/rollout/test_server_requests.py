@@ -97,6 +97,7 @@ def test_an_engine_whose_discarded_weights_were_resumed_refuses_generate_with_40
     health = httpx.get(s.url + "/health")
     assert health.status_code == 200 and health.json()["status"] == "weights_not_synced"
     assert httpx.get(s.url + "/health_generate").status_code == 503
+    assert httpx.post(s.url + "/get_weights_by_name", json={"name": "model.norm.weight"}).status_code == 409
     names = list(original)
     client.update_weights_from_tensor([(names[0], original[names[0]])])  # one tensor is not a sync
     assert httpx.post(s.url + "/generate", json=GOOD).status_code == 409
