@@ -10,8 +10,10 @@ the soft punishment lowers the reward linearly over the last ``buffer_len`` toke
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from miles.rollout.sample import Sample
+if TYPE_CHECKING:
+    from miles.rollout.sample import Sample
 
 
 def overlong_penalty(response_len: int, max_len: int, buffer_len: int, factor: float = 1.0) -> float:
@@ -20,6 +22,26 @@ def overlong_penalty(response_len: int, max_len: int, buffer_len: int, factor: f
     if response_len <= free:
         return 0.0
     return max(free - response_len, -buffer_len) / buffer_len * factor
+
+
+def round_key(step: int, k: int) -> int:
+    """The prompt stream of refill round ``k`` of RL step ``step`` (round 0 is the step's own prompts; the others
+    start at 20M, clear of the steps and of the SFT warm-up's 10M + i)."""
+    return step if k == 0 else 20_000_000 + 1_000_000 * k + step
+
+
+def shape_overlong(samples: list[Sample], max_len: int, buffer_len: int, factor: float, filter_truncated: bool):
+    """Soft overlong punishment added to each reward (buffer_len > 0), and truncated responses masked out of the
+    loss (filter_truncated). Returns the fraction of responses cut at the budget."""
+    cut = 0
+    for s in samples:
+        if buffer_len:
+            s.reward += overlong_penalty(len(s.response_ids), max_len, buffer_len, factor)
+        if s.finish_reason == "length":
+            cut += 1
+            if filter_truncated:
+                s.metadata["loss_mask"] = [0] * len(s.response_ids)
+    return cut / max(len(samples), 1)
 
 
 def uniform_groups(samples: list[Sample], tol: float = 1e-9) -> set[int]:

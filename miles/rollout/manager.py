@@ -14,6 +14,7 @@ from miles.config import RunConfig
 from miles.memory import MemoryLedger
 from miles.model.tokenizer import load_tokenizer
 from miles.policy.advantages import compute_advantages
+from miles.policy.dapo import fill_groups, round_key, shape_overlong
 from miles.rollout.engine import EmbeddedEngine, GenerateRequest, SamplingParams
 from miles.rollout.sample import Sample
 from miles.rollout.tasks import Task
@@ -93,25 +94,14 @@ class RolloutManager(UpdateCalls):
             return generate_batches(self, step)
         t0 = time.perf_counter()
         r = self.cfg.rollout
-        samples = self.make_samples(step)
-        sp = SamplingParams(
-            max_new_tokens=r.max_new_tokens,
-            temperature=r.temperature,
-            top_p=r.top_p,
-            stop_token_ids=self.tokenizer.stop_token_ids,
-        )
-        reqs = [GenerateRequest(rid=f"{step}-{s.index}", input_ids=s.prompt_ids, sampling=sp) for s in samples]
-        outs = []
-        per_engine = -(-len(reqs) // len(self.engines))
-        for i, engine in enumerate(self.engines):
-            outs += engine.generate(reqs[i * per_engine : (i + 1) * per_engine], seed=self.cfg.seed * 100_003 + step)
-        t_gen = time.perf_counter() - t0
-        stop = set(self.tokenizer.stop_token_ids)
-        for s, o in zip(samples, outs):
-            s.response_ids, s.rollout_log_probs = o.output_ids, o.output_log_probs
-            s.finish_reason, s.weight_version = o.finish_reason, o.weight_version
-            s.response_text = self.tokenizer.decode([t for t in o.output_ids if t not in stop])
-            s.reward = self.task.score(s.prompt, s.response_text, s.target)
+        rounds: dict = {"time/generate": 0.0, "cut": []}
+        if r.dynamic_sampling:  # DAPO: groups with equal rewards dropped, refilled from more prompts (bounded)
+            draw = lambda k: self._scored_round(round_key(step, k), rounds)  # noqa: E731
+            samples, extra = fill_groups(draw, r.num_prompts_per_step, r.dynamic_sampling_max_rounds)
+        else:
+            samples, extra = self._scored_round(step, rounds), {}
+        t_gen = rounds["time/generate"]
+        extra["overlong_frac"] = sum(rounds["cut"]) / len(rounds["cut"])  # responses cut at max_new_tokens
         for s, a in zip(
             samples,
             compute_advantages([s.reward for s in samples], [s.group for s in samples], r.advantage_estimator),
@@ -130,9 +120,41 @@ class RolloutManager(UpdateCalls):
             "time/generate": t_gen,
             "time/rollout": time.perf_counter() - t0,
             "weight_version": samples[0].weight_version,
+            **extra,
         }
         pad = self.tokenizer.pad_token_id
         return [collate(part, pad) for part in shard(samples, self.cfg.trainer.world_size)], metrics
+
+    def _scored_round(self, key: int, rounds: dict) -> list[Sample]:
+        """The prompts of ``key`` (a step, or a refill round of one), completed by the engines and scored, with
+        DAPO's overlong shaping applied when configured; generation time and the cut fraction go into ``rounds``."""
+        t0 = time.perf_counter()
+        r = self.cfg.rollout
+        samples = self.make_samples(key)
+        sp = SamplingParams(
+            max_new_tokens=r.max_new_tokens,
+            temperature=r.temperature,
+            top_p=r.top_p,
+            stop_token_ids=self.tokenizer.stop_token_ids,
+        )
+        reqs = [GenerateRequest(rid=f"{key}-{s.index}", input_ids=s.prompt_ids, sampling=sp) for s in samples]
+        outs = []
+        per_engine = -(-len(reqs) // len(self.engines))
+        for i, engine in enumerate(self.engines):
+            outs += engine.generate(reqs[i * per_engine : (i + 1) * per_engine], seed=self.cfg.seed * 100_003 + key)
+        rounds["time/generate"] += time.perf_counter() - t0
+        stop = set(self.tokenizer.stop_token_ids)
+        for s, o in zip(samples, outs):
+            s.response_ids, s.rollout_log_probs = o.output_ids, o.output_log_probs
+            s.finish_reason, s.weight_version = o.finish_reason, o.weight_version
+            s.response_text = self.tokenizer.decode([t for t in o.output_ids if t not in stop])
+            s.reward = self.task.score(s.prompt, s.response_text, s.target)
+        rounds["cut"].append(
+            shape_overlong(
+                samples, r.max_new_tokens, r.overlong_buffer_len, r.overlong_penalty_factor, r.overlong_filter
+            )
+        )
+        return samples
 
     @on_compute_thread
     def sft_batches(self, step: int) -> list[TrainBatch]:
