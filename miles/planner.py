@@ -7,7 +7,8 @@ master weights and optimizer moments (``optimizer``: Adam 12 B / Muon 8 B per pa
 backend; the torch backend keeps AdamW moments in the model dtype, created at the first train step), FP32
 ``grads`` (released before offload), ``quant_workspace`` (miles.memory.traffic), ``ref``. Engine: ``weights``
 (bf16, or the rowwise quantized copy for trainer.precision fp8/mxfp8/nvfp4), ``kv_cache`` for
-max_batch_size x max_seq_len tokens, ``cuda_graph`` (0). Sharding: trainer state evenly over
+max_batch_size x max_seq_len tokens, ``cuda_graph`` (on a GPU: the decode graphs' logits buffer and reserved
+pool, miles.rollout.cuda_graphs.graph_tag_storages; 0 on the CPU, which captures none). Sharding: trainer state evenly over
 trainer.world_size ranks (FSDP2 / distributed optimizer); engines tile the same GPUs, so one GPU holds
 num_engines / world_size of one engine's bytes. Host bytes are per node: ranks per node x per-rank backups,
 priced as the OS sees them (one page-rounded arena per tag, or torch's power-of-two caching allocator).
@@ -178,9 +179,10 @@ def _fmt(n: float) -> str:
 
 
 # ---- sizes ----------------------------------------------------------------------------------------------------
-def estimate_sizes(cfg: RunConfig) -> Sizes:
-    """Per-GPU tag sizes for the run: from handoff.plan_model when set, else the embedded decoder exactly."""
-    return _hf_sizes(cfg) if cfg.handoff.plan_model else _decoder_sizes(cfg)
+def estimate_sizes(cfg: RunConfig, *, cuda_graphs: bool = False) -> Sizes:
+    """Per-GPU tag sizes for the run: from handoff.plan_model when set, else the embedded decoder exactly
+    (``cuda_graphs``: its engines run on a GPU and hold decode graphs)."""
+    return _hf_sizes(cfg) if cfg.handoff.plan_model else _decoder_sizes(cfg, cuda_graphs)
 
 
 def _policies(cfg: RunConfig) -> tuple[str, str]:
@@ -188,8 +190,9 @@ def _policies(cfg: RunConfig) -> tuple[str, str]:
     return train, "host" if cfg.handoff.engine_host_mirror else "discard"
 
 
-def _decoder_sizes(cfg: RunConfig) -> Sizes:
+def _decoder_sizes(cfg: RunConfig, cuda_graphs: bool = False) -> Sizes:
     from miles.model.size import DTYPE_BYTES, decoder_storages, kv_cache_storages
+    from miles.rollout.cuda_graphs import graph_tag_storages
 
     m, r, t = cfg.model, cfg.rollout, cfg.trainer
     if t.world_size != 1:
@@ -207,6 +210,9 @@ def _decoder_sizes(cfg: RunConfig) -> Sizes:
         ("engine", "weights"): TagSize("engine", "weights", params * r.num_engines, eng_pol),
         ("engine", "kv_cache"): TagSize("engine", "kv_cache", kv, "discard"),
     }
+    if cuda_graphs:
+        graphs = tuple(graph_tag_storages(m, r.max_batch_size)) * r.num_engines
+        tags[("engine", "cuda_graph")] = TagSize("engine", "cuda_graph", graphs, "discard")
     if t.kl_coef:
         tags[("trainer", "ref")] = TagSize("trainer", "ref", params, train_pol)
     act = _activation_bytes(
@@ -448,7 +454,7 @@ def plan(
     hp = HandoffPlan.from_config(cfg.handoff, mode=mode, reason=reason)
     gpus = cfg.trainer.world_size
     rpn = min(gpus, hw.gpus_per_node)
-    sizes = estimate_sizes(cfg)
+    sizes = estimate_sizes(cfg, cuda_graphs=not hw.unified)
     bucket = min(cfg.sync.update_weight_buffer_size, sizes.tags[("engine", "weights")].bytes)
     steps = replay(hp, sizes, hw, rpn, num_steps, host_allocator, bucket)
     return PlanReport(cfg.recipe, mode, hw, gpus, hw.nodes_for(gpus), rpn, sizes, steps, host_allocator, reason)

@@ -1,8 +1,10 @@
-"""The embedded rollout engine: batched generation on a preallocated KV cache, with SGLang's control surface.
+"""The embedded rollout engine: continuous batching on a slotted KV cache, with SGLang's control surface.
 
-It is the CPU default and the reference engine: the same methods are served over HTTP (miles.rollout.server)
-and implemented against real SGLang (miles.rollout.sglang). Memory tags follow SGLang's names: ``weights``,
-``kv_cache``, ``cuda_graph`` (empty here: the embedded engine captures no graphs).
+It is the CPU default and the engine a user runs on one GPU: the same methods are served over HTTP
+(miles.rollout.server) and implemented against real SGLang (miles.rollout.sglang). Generation is
+miles.rollout.decode_loop (slots, prefix sharing, device-side finish flags) over miles.rollout.forward; on
+CUDA the decode step runs as CUDA graphs (miles.rollout.cuda_graphs). Memory tags follow SGLang's names:
+``weights``, ``kv_cache``, ``cuda_graph`` (the graphs' static logits buffer and their private pool).
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ import torch
 from miles.memory import MemoryLedger, TaggedMemory
 from miles.model.config import ModelConfig
 from miles.model.decoder import KVCache, build_decoder
-from miles.policy.logprob import log_probs_and_entropy
+from miles.rollout.decode_loop import STOP_SLOTS, DecodeLoop, RowState, advance
+from miles.rollout.forward import RopeTable, decode_step
+from miles.rollout.sampling import sample, use_triton
 from miles.sync.receiver import UpdateCalls
 
 ENGINE_TAGS = ("weights", "kv_cache", "cuda_graph")
@@ -27,6 +31,7 @@ class SamplingParams:
     max_new_tokens: int = 16
     temperature: float = 1.0  # 0 = greedy (log-probs then reported at temperature 1)
     top_p: float = 1.0
+    top_k: int = 0  # 0 = no top-k cut
     stop_token_ids: tuple[int, ...] = ()
 
 
@@ -89,7 +94,19 @@ class EmbeddedEngine(UpdateCalls):
         self.memory = TaggedMemory(owner, self.ledger, self.device)
         self.memory.register("weights", self.model.parameters(), policy=weights_policy)
         self.memory.register("kv_cache", self.cache.tensors(), policy="discard")
-        self.memory.register("cuda_graph", [], policy="discard")
+        dtype = next(self.model.parameters()).dtype
+        self.rope = RopeTable(model_cfg, self.max_seq_len, self.device, dtype)
+        self.state = RowState(max_batch_size, self.max_seq_len + 1, self.device)
+        self._rows = torch.arange(max_batch_size, device=self.device)
+        self.logits = torch.empty(max_batch_size, model_cfg.vocab_size, dtype=dtype, device=self.device)
+        self.graphs = None
+        if self.device.type == "cuda" and use_triton(self.logits):
+            from miles.rollout.cuda_graphs import DecodeGraphs, pool_bytes
+
+            self.graphs = DecodeGraphs(owner, self.ledger, reserve=pool_bytes(model_cfg, max_batch_size))
+        # with graphs, the logits buffer they write is theirs; the eager (CPU) engine keeps the tag empty
+        self.memory.register("cuda_graph", [self.logits] if self.graphs else [], policy="discard")
+        self.loop = DecodeLoop(self)
         self.weight_version = 0
         self._lock = threading.RLock()  # held by each forward step and by weight updates
         self._running = threading.Event()
@@ -98,24 +115,20 @@ class EmbeddedEngine(UpdateCalls):
         self._abort_all = False
         self._params = dict(self.model.named_parameters())
         self._unsynced: set[int] = set()  # ids of parameters discarded by a release and not written since
+        self._gen: torch.Generator | None = None
 
     # ---- generation -------------------------------------------------------------------------------------
     def generate(self, requests: list[GenerateRequest], *, seed: int | None = None) -> list[GenerateOutput]:
         for r in requests:
             self._check_request(r)
-        gen = torch.Generator(device=self.device)
-        gen.manual_seed(seed if seed is not None else torch.seed() & 0x7FFFFFFF)
-        out: dict[str, GenerateOutput] = {}
-        by_params: dict[tuple, list[GenerateRequest]] = {}
-        for r in requests:
-            s = r.sampling
-            by_params.setdefault((s.max_new_tokens, s.temperature, s.top_p, s.stop_token_ids), []).append(r)
-        for group in by_params.values():
-            for i in range(0, len(group), self.max_batch_size):
-                for o in self._generate_batch(group[i : i + self.max_batch_size], gen):
-                    out[o.rid] = o
-        self._abort_all = False
-        return [out[r.rid] for r in requests]
+        seed = seed if seed is not None else torch.seed() & 0x7FFFFFFF
+        self._gen = torch.Generator(device=self.device)
+        self._gen.manual_seed(seed)
+        self.state.seed.fill_(seed)
+        try:
+            return self.loop.run(requests, self._gen)
+        finally:
+            self._abort_all = False
 
     def _check_request(self, r: GenerateRequest) -> None:
         if not r.input_ids:
@@ -131,10 +144,14 @@ class EmbeddedEngine(UpdateCalls):
                 f"request {r.rid}: prompt {len(r.input_ids)} + max_new_tokens {r.sampling.max_new_tokens} = "
                 f"{need} exceeds the engine's max_seq_len {self.max_seq_len}; shorten it or raise rollout.max_seq_len"
             )
-        if self.memory.is_paused("weights") or self.memory.is_paused("kv_cache"):
+        if len(r.sampling.stop_token_ids) > STOP_SLOTS:
             raise EngineError(
-                "the engine's memory is released; call resume_memory(['weights', 'kv_cache']) before generate"
+                f"request {r.rid}: {len(r.sampling.stop_token_ids)} stop token ids; the engine holds at most "
+                f"{STOP_SLOTS} per request on the device"
             )
+        paused = [t for t in ENGINE_TAGS if self.memory.is_paused(t)]
+        if paused:
+            raise EngineError(f"the engine's memory is released; call resume_memory({paused}) before generate")
         if self._unsynced:
             raise WeightsNotSynced(self.unsynced_message())
 
@@ -150,89 +167,32 @@ class EmbeddedEngine(UpdateCalls):
         )
 
     @torch.no_grad()
-    def _generate_batch(self, reqs: list[GenerateRequest], gen: torch.Generator) -> list[GenerateOutput]:
-        sp, dev = reqs[0].sampling, self.device
-        B, P = len(reqs), max(len(r.input_ids) for r in reqs)
-        L = P + sp.max_new_tokens
-        pad = [P - len(r.input_ids) for r in reqs]
-        ids = torch.zeros(B, P, dtype=torch.long, device=dev)
-        valid = torch.zeros(B, L, dtype=torch.bool, device=dev)
-        for b, r in enumerate(reqs):
-            ids[b, pad[b] :] = torch.tensor(r.input_ids, device=dev)
-            valid[b, pad[b] : P] = True
-        pad_t = torch.tensor(pad, device=dev)
-        pos = (torch.arange(P, device=dev)[None] - pad_t[:, None]).clamp_min(0)
-        causal = torch.ones(P, P, dtype=torch.bool, device=dev).tril()
-        mask = (causal[None] & valid[:, None, :P]) | torch.eye(P, dtype=torch.bool, device=dev)[None]
-        stop = torch.tensor(sp.stop_token_ids or (-1,), device=dev)
-        finished = torch.zeros(B, dtype=torch.bool, device=dev)
-        reason = ["length"] * B
-        abort_len: dict[int, int] = {}
-        out_ids, out_lps = [], []
-        with self._lock:
-            logits = self.model(ids, pos, mask[:, None], self.cache, 0)[:, -1]
-        for t in range(sp.max_new_tokens):
-            nxt, lp = self._sample(logits, sp, gen)
-            nxt = torch.where(finished, torch.zeros_like(nxt), nxt)
-            out_ids.append(nxt)
-            out_lps.append(lp)
-            newly = ~finished & torch.isin(nxt, stop)
-            for b in newly.nonzero().flatten().tolist():
-                reason[b] = "stop"
-            finished |= newly
-            self._apply_aborts(reqs, finished, reason, abort_len, t + 1)
-            if bool(finished.all()) or t == sp.max_new_tokens - 1:
-                break
-            self._running.wait()
-            valid[:, P + t] = True
-            with self._lock:
-                logits = self.model(
-                    nxt[:, None], (pos[:, -1:] + t + 1), valid[:, None, None, : P + t + 1], self.cache, P + t
-                )[:, -1]
-        ids_T = torch.stack(out_ids, 1).tolist() if out_ids else [[] for _ in reqs]
-        lps_T = torch.stack(out_lps, 1).tolist() if out_lps else [[] for _ in reqs]
-        outs = []
-        for b, r in enumerate(reqs):
-            n = len(ids_T[b])
-            if reason[b] == "stop":
-                n = next(i for i, tok in enumerate(ids_T[b]) if tok in sp.stop_token_ids) + 1
-            elif reason[b] == "abort":
-                n = abort_len[b]
-            outs.append(
-                GenerateOutput(
-                    rid=r.rid,
-                    output_ids=ids_T[b][:n],
-                    output_log_probs=lps_T[b][:n],
-                    finish_reason=reason[b],
-                    weight_version=self.weight_version,
-                )
-            )
-        return outs
+    def _step(self, R: int, *, bound: int, flexible: bool) -> None:
+        """One decode step over slots [0, R): graphed on CUDA, eager otherwise; ``flexible``: top-p / top-k rows."""
+        st, rows, logits = self.state, self._rows[:R], self.logits[:R]
 
-    def _sample(self, logits_BV: torch.Tensor, sp: SamplingParams, gen: torch.Generator):
-        if sp.temperature == 0:
-            nxt = logits_BV.argmax(-1)
-            lp, _ = log_probs_and_entropy(logits_BV, nxt, temperature=1.0, chunk_size=self.logprob_chunk_size)
-            return nxt, lp
-        x = logits_BV.float() / sp.temperature
-        probs = torch.softmax(x, -1)
-        if sp.top_p < 1.0:
-            sorted_p, idx = probs.sort(-1, descending=True)
-            drop = sorted_p.cumsum(-1) - sorted_p > sp.top_p
-            probs = torch.zeros_like(probs).scatter(-1, idx, sorted_p.masked_fill(drop, 0.0))
-        nxt = torch.multinomial(probs, 1, generator=gen).squeeze(-1)
-        lp, _ = log_probs_and_entropy(logits_BV, nxt, temperature=sp.temperature, chunk_size=self.logprob_chunk_size)
-        return nxt, lp
+        def forward():
+            decode_step(self.model, self.cache, self.rope, st.tokens[:R], st.lens[:R], logits, bound=bound)
 
-    def _apply_aborts(self, reqs, finished, reason, abort_len: dict[int, int], num_generated: int) -> None:
-        if not (self._aborted or self._abort_all):
+        def finish():
+            tp, tk = (st.top_p[:R], st.top_k[:R]) if flexible else (None, None)
+            tok, lp = sample(logits, st.temperature[:R], st.seed, self._gen, top_p_R=tp, top_k_R=tk)
+            advance(st, rows, tok, lp)
+
+        if self.graphs is None:
+            forward()
+            finish()
             return
-        for b, r in enumerate(reqs):
-            if not finished[b] and (self._abort_all or r.rid in self._aborted):
-                finished[b] = True
-                reason[b] = "abort"
-                abort_len[b] = num_generated
-        self._aborted -= {r.rid for r in reqs}
+        self.graphs.run(("decode", R), forward)
+        if flexible:
+            finish()
+        else:
+            self.graphs.run(("sample", R), finish)
+
+    def _output(self, req: GenerateRequest, ids: list[int], lps: list[float], reason: str) -> GenerateOutput:
+        return GenerateOutput(
+            rid=req.rid, output_ids=ids, output_log_probs=lps, finish_reason=reason, weight_version=self.weight_version
+        )
 
     # ---- control surface ----------------------------------------------------------------------------------
     def abort(self, rids: Iterable[str] | str = "all") -> None:
@@ -256,11 +216,14 @@ class EmbeddedEngine(UpdateCalls):
         """Drop cached prefixes. The embedded engine keeps no prefix cache between calls, so nothing is kept."""
 
     def release_memory(self, tags: Iterable[str]) -> int:
+        """Graphs point at the weights', the cache's and their own buffers: releasing any of these drops them."""
         tags = _check_tags(tags)
+        phase = "release_" + "+".join(tags)
         with self._lock:
             if "weights" in tags and self.memory.tags["weights"].policy == "discard":
                 self._unsynced = {id(p) for p in self._params.values()}
-            return self.memory.pause(tags, phase="release_" + "+".join(tags))
+            freed = self.graphs.release(phase) if self.graphs is not None else 0
+            return freed + self.memory.pause(tags, phase=phase)
 
     def resume_memory(self, tags: Iterable[str]) -> int:
         tags = _check_tags(tags)

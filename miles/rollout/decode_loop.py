@@ -1,0 +1,220 @@
+"""Continuous batching over the engine's KV cache slots, with the rows' state kept on the device.
+
+Each request takes one slot (one row of the KV cache). Requests beyond the slots wait in a queue; a slot freed
+by a finished row takes the next waiting request, prefilled with the other newcomers that share its prompt
+(a GRPO group prefills once). A decode step touches only device tensors: the sampled token, its log-prob,
+the stop and length checks and the finished flags are written on the device (``advance``), so the host
+never waits on a step. It reads the flags every ``check_every`` steps while rows can stop early or requests
+wait, otherwise only when the first row reaches its length, which the host knows without asking.
+
+    loop = DecodeLoop(engine)                       # owned by the EmbeddedEngine
+    outs = loop.run(requests, generator)            # one GenerateOutput per request, in order
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from miles.rollout.forward import prefill
+from miles.rollout.sampling import sample
+
+STOP_SLOTS = 16  # stop token ids per request held on the device
+
+
+class RowState:
+    """Per-slot device state; fixed addresses, so the decode graphs read and write it in place."""
+
+    def __init__(self, num_slots: int, width: int, device):
+        z = lambda dtype: torch.zeros(num_slots, dtype=dtype, device=device)  # noqa: E731
+        self.tokens, self.lens, self.num_gen, self.max_new = (z(torch.long) for _ in range(4))
+        self.finished = torch.ones(num_slots, dtype=torch.bool, device=device)
+        self.stopped = z(torch.bool)
+        self.temperature, self.top_p, self.top_k = z(torch.float32), z(torch.float32) + 1, z(torch.long)
+        self.stop_ids = torch.full((num_slots, STOP_SLOTS), -1, dtype=torch.long, device=device)
+        self.out_ids = torch.zeros(num_slots, width, dtype=torch.long, device=device)  # width > max_new_tokens
+        self.out_lps = torch.zeros(num_slots, width, dtype=torch.float32, device=device)
+        self.seed = torch.zeros(1, dtype=torch.long, device=device)
+
+
+def advance(st: RowState, rows: torch.Tensor, tok: torch.Tensor, lp: torch.Tensor) -> None:
+    """Record the sampled token of each live row in ``rows`` and decide on the device whether it finished."""
+    live = ~st.finished[rows]
+    n = st.num_gen[rows]
+    st.out_ids[rows, n] = tok  # a finished row writes past its last token: never read
+    st.out_lps[rows, n] = lp
+    hit = (tok[:, None] == st.stop_ids[rows]).any(1)
+    n = n + live
+    st.num_gen[rows] = n
+    st.lens[rows] += live
+    st.tokens[rows] = torch.where(live, tok, st.tokens[rows])
+    st.stopped[rows] |= live & hit
+    st.finished[rows] |= live & (hit | (n >= st.max_new[rows]))
+    st.seed += 1
+
+
+@dataclass(slots=True)
+class _Row:
+    index: int  # position in the caller's request list
+    req: object  # GenerateRequest
+    steps: int = 1  # tokens generated (the host's count: exact unless a stop token ended the row earlier)
+
+
+def buckets(max_rows: int) -> list[int]:
+    """Row counts a decode step runs at (and is captured at): powers of two, then the slot count."""
+    out, n = [], 1
+    while n < max_rows:
+        out.append(n)
+        n *= 2
+    return out + [max_rows]
+
+
+class DecodeLoop:
+    def __init__(self, engine, *, check_every: int = 16, prefill_tokens: int = 16384):
+        self.e, self.check_every, self.prefill_tokens = engine, check_every, prefill_tokens
+        self.buckets = buckets(engine.max_batch_size)
+        # since construction: prompts prefilled, rows admitted, decode steps, host reads of the finish flags
+        self.stats = {"prefills": 0, "admitted": 0, "steps": 0, "flag_reads": 0}
+
+    # ---- the loop ---------------------------------------------------------------------------------------------
+    def run(self, requests: list, generator: torch.Generator) -> list:
+        e = self.e
+        waiting = deque(enumerate(requests))
+        active: dict[int, _Row] = {}
+        results: list = [None] * len(requests)
+        while waiting or active:
+            self._drop_aborted_waiting(waiting, results)
+            free = [s for s in range(e.max_batch_size) if s not in active]
+            if waiting and free:
+                take = [waiting.popleft() for _ in range(min(len(free), len(waiting)))]
+                self._admit(take, free[: len(take)], active, generator)
+            if not active:
+                continue
+            R = next(b for b in self.buckets if b > max(active))
+            flexible = any(r.req.sampling.top_p < 1 or r.req.sampling.top_k > 0 for r in active.values())
+            for _ in range(self._steps_until_check(active, bool(waiting))):
+                e._running.wait()
+                if self._abort_requested(active):
+                    break
+                with e._lock:
+                    e._step(R, bound=max(len(r.req.input_ids) + r.steps for r in active.values()), flexible=flexible)
+                self.stats["steps"] += 1
+                for r in active.values():
+                    r.steps += 1
+            self._retire(active, results)
+        return results
+
+    def _steps_until_check(self, active: dict[int, _Row], waiting: bool) -> int:
+        left = min(r.req.sampling.max_new_tokens - r.steps for r in active.values())
+        can_stop = waiting or any(r.req.sampling.stop_token_ids for r in active.values())
+        return max(0, min(left, self.check_every) if can_stop else left)
+
+    def _abort_requested(self, active: dict[int, _Row]) -> bool:
+        return any(self._aborts(r) for r in active.values())
+
+    def _drop_aborted_waiting(self, waiting: deque, results: list) -> None:
+        e = self.e
+        if not (e._abort_all or e._aborted):
+            return
+        for item in list(waiting):
+            if e._abort_all or item[1].rid in e._aborted:
+                waiting.remove(item)
+                e._aborted.discard(item[1].rid)
+                results[item[0]] = e._output(item[1], [], [], "abort")
+
+    # ---- admission: prefill once per distinct prompt ----------------------------------------------------------
+    def _admit(self, take: list, slots: list[int], active: dict[int, _Row], generator) -> None:
+        groups: dict[tuple, list[int]] = {}
+        for (_, req), slot in zip(take, slots):
+            groups.setdefault(tuple(req.input_ids), []).append(slot)
+        by_slot = {slot: item for item, slot in zip(take, slots)}
+        prompts = sorted(groups, key=len)
+        chunk: list[tuple] = []
+        for p in prompts:
+            if chunk and (len(chunk) + 1) * len(p) > self.prefill_tokens:
+                self._prefill(chunk, groups, by_slot, generator)
+                chunk = []
+            chunk.append(p)
+        if chunk:
+            self._prefill(chunk, groups, by_slot, generator)
+        for slot in slots:
+            active[slot] = _Row(*by_slot[slot])
+        self.stats["prefills"] += len(prompts)
+        self.stats["admitted"] += len(slots)
+
+    def _prefill(self, prompts: list[tuple], groups: dict, by_slot: dict, generator) -> None:
+        e, st, dev = self.e, self.e.state, self.e.device
+        P = max(len(p) for p in prompts)
+        ids = torch.zeros(len(prompts), P, dtype=torch.long)
+        for u, p in enumerate(prompts):
+            ids[u, : len(p)] = torch.tensor(p)
+        slots = [s for p in prompts for s in groups[p]]
+        src = [u for u, p in enumerate(prompts) for _ in groups[p]]
+        reqs = [by_slot[s][1] for s in slots]
+        slots_t = torch.tensor(slots, device=dev)
+        self._reset_rows(slots_t, reqs)
+        with e._lock:
+            logits = prefill(
+                e.model,
+                e.cache,
+                e.rope,
+                ids.to(dev),
+                torch.tensor([len(p) for p in prompts], device=dev),
+                slots_t,
+                torch.tensor(src, device=dev),
+            )[torch.tensor(src, device=dev)]
+            flexible = any(r.sampling.top_p < 1 or r.sampling.top_k > 0 for r in reqs)
+            tok, lp = sample(
+                logits,
+                st.temperature[slots_t],
+                st.seed,
+                generator,
+                top_p_R=st.top_p[slots_t] if flexible else None,
+                top_k_R=st.top_k[slots_t] if flexible else None,
+            )
+            advance(st, slots_t, tok, lp)
+
+    def _reset_rows(self, slots_t: torch.Tensor, reqs: list) -> None:
+        st, dev = self.e.state, self.e.device
+        stop = torch.full((len(reqs), STOP_SLOTS), -1, dtype=torch.long)
+        for i, r in enumerate(reqs):
+            stop[i, : len(r.sampling.stop_token_ids)] = torch.tensor(r.sampling.stop_token_ids, dtype=torch.long)
+        col = lambda vals, dtype: torch.tensor(vals, dtype=dtype).to(dev, non_blocking=True)  # noqa: E731
+        st.lens[slots_t] = col([len(r.input_ids) - 1 for r in reqs], torch.long)  # advance() adds the first token
+        st.max_new[slots_t] = col([r.sampling.max_new_tokens for r in reqs], torch.long)
+        st.temperature[slots_t] = col([r.sampling.temperature for r in reqs], torch.float32)
+        st.top_p[slots_t] = col([r.sampling.top_p for r in reqs], torch.float32)
+        st.top_k[slots_t] = col([r.sampling.top_k for r in reqs], torch.long)
+        st.stop_ids[slots_t] = stop.to(dev, non_blocking=True)
+        st.num_gen[slots_t] = 0
+        st.finished[slots_t] = False
+        st.stopped[slots_t] = False
+
+    # ---- retiring finished rows: one read of the flags, one of the finished rows' tokens --------------------
+    def _retire(self, active: dict[int, _Row], results: list) -> None:
+        e, st = self.e, self.e.state
+        slots = sorted(active)
+        idx = torch.tensor(slots, device=e.device)
+        flags = torch.stack([st.finished[idx].long(), st.stopped[idx].long(), st.num_gen[idx]]).cpu()
+        self.stats["flag_reads"] += 1
+        aborted = {s for i, s in enumerate(slots) if not flags[0, i] and self._aborts(active[s])}
+        if aborted:
+            st.finished[torch.tensor(sorted(aborted), device=e.device)] = True  # a freed slot must not advance
+        done = [i for i, s in enumerate(slots) if flags[0, i] or s in aborted]
+        if not done:
+            return
+        width = int(flags[2, done].max())
+        done_idx = idx[torch.tensor(done, device=e.device)]
+        ids = st.out_ids[done_idx, :width].cpu().tolist()
+        lps = st.out_lps[done_idx, :width].cpu().tolist()
+        for j, i in enumerate(done):
+            row = active.pop(slots[i])
+            n = int(flags[2, i])
+            reason = "abort" if slots[i] in aborted else "stop" if flags[1, i] else "length"
+            e._aborted.discard(row.req.rid)
+            results[row.index] = e._output(row.req, ids[j][:n], lps[j][:n], reason)
+
+    def _aborts(self, row: _Row) -> bool:
+        return self.e._abort_all or row.req.rid in self.e._aborted

@@ -1,0 +1,97 @@
+"""The engine's two forward passes over the decoder's own modules: prefill into cache slots, and one decode step.
+
+The trainer's ``Decoder.forward`` serves full sequences; generation needs two other shapes. Prefill runs each
+distinct prompt once (right-padded, causal SDPA: padding sits after every real token, so no mask is needed)
+and writes its keys and values into every slot that shares it: a GRPO group's n samples cost one prefill.
+Logits come only from each prompt's last position. A decode step takes one token per row at the row's own
+position (``lens``), writes its K/V there and attends over the filled positions (miles.rollout.decode_attention);
+its shapes depend only on the row count, so it is captured in CUDA graphs, and the logits go into a buffer
+the caller owns.
+
+    rope = RopeTable(model.config, max_len, device, dtype)
+    logits_UV = prefill(model, cache, rope, ids_UP, lens_U, slots_N, src_N)
+    decode_step(model, cache, rope, tokens_R, lens_R, out_RV, bound=b)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from miles.model.decoder import Decoder, KVCache, _rotate_half, rotary_cos_sin
+from miles.rollout.decode_attention import decode_attention
+
+
+class RopeTable:
+    """cos/sin for every position up to max_len, computed once by the decoder's own formula (bit-equal)."""
+
+    def __init__(self, cfg, max_len: int, device, dtype):
+        pos = torch.arange(max_len, device=device)[None]
+        cos, sin = rotary_cos_sin(pos, cfg.head_dim, cfg.rope_theta, dtype)
+        self.cos, self.sin = cos[0, 0], sin[0, 0]  # [max_len, head_dim]
+
+
+def _qkv(attn, x_BTH, cos, sin):
+    cfg = attn.cfg
+    B, T, _ = x_BTH.shape
+    q = attn.q_proj(x_BTH).view(B, T, cfg.num_attention_heads, cfg.head_dim).transpose(1, 2)
+    k = attn.k_proj(x_BTH).view(B, T, cfg.num_key_value_heads, cfg.head_dim).transpose(1, 2)
+    v = attn.v_proj(x_BTH).view(B, T, cfg.num_key_value_heads, cfg.head_dim).transpose(1, 2)
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
+
+
+@torch.no_grad()
+def prefill(
+    model: Decoder,
+    cache: KVCache,
+    rope: RopeTable,
+    ids_UP: torch.Tensor,
+    lens_U: torch.Tensor,
+    slots_N: torch.Tensor,
+    src_N: torch.Tensor,
+) -> torch.Tensor:
+    """Run U distinct prompts once; slot ``slots_N[i]`` gets prompt ``src_N[i]``'s K/V. Returns logits [U, V]."""
+    U, P = ids_UP.shape
+    x = model.model.embed_tokens(ids_UP)
+    cos, sin = rope.cos[:P][None, None], rope.sin[:P][None, None]
+    gqa = model.config.num_attention_heads != model.config.num_key_value_heads
+    for i, layer in enumerate(model.model.layers):
+        attn = layer.self_attn
+        q, k, v = _qkv(attn, layer.input_layernorm(x), cos, sin)
+        cache.k[i][:, :, :P].index_copy_(0, slots_N, k[src_N])
+        cache.v[i][:, :, :P].index_copy_(0, slots_N, v[src_N])
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        x = x + attn.o_proj(o.transpose(1, 2).reshape(U, P, -1))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    last = x[torch.arange(U, device=x.device), lens_U - 1]
+    return model.lm_head(model.model.norm(last))
+
+
+@torch.no_grad()
+def decode_step(
+    model: Decoder,
+    cache: KVCache,
+    rope: RopeTable,
+    tokens_R: torch.Tensor,
+    lens_R: torch.Tensor,
+    out_RV: torch.Tensor,
+    *,
+    bound: int | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """One token per row at position ``lens_R[r]`` (its K/V written there); logits into ``out_RV``."""
+    R = tokens_R.shape[0]
+    rows = torch.arange(R, device=tokens_R.device)
+    x = model.model.embed_tokens(tokens_R[:, None])  # [R, 1, H]
+    cos, sin = rope.cos[lens_R][:, None, None], rope.sin[lens_R][:, None, None]  # [R, 1, 1, D]
+    filled = lens_R + 1
+    for i, layer in enumerate(model.model.layers):
+        attn = layer.self_attn
+        q, k, v = _qkv(attn, layer.input_layernorm(x), cos, sin)
+        cache.k[i][rows, :, lens_R] = k[:, :, 0]
+        cache.v[i][rows, :, lens_R] = v[:, :, 0]
+        o = decode_attention(q[:, :, 0], cache.k[i], cache.v[i], filled, bound=bound, num_splits=num_splits)
+        x = x + attn.o_proj(o.reshape(R, 1, -1))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    h = model.model.norm(x[:, 0])
+    return torch.mm(h, model.lm_head.weight.t(), out=out_RV)

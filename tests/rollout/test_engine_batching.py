@@ -1,0 +1,159 @@
+"""The engine's scheduling and fast paths on CPU: continuous batching, prefix sharing, device-side finish
+flags, mixed sampling parameters, weight updates mid-generation, and each fast path against its reference."""
+
+import importlib.util
+import os
+import threading
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from miles.rollout.decode_attention import decode_attention_reference
+from miles.rollout.engine import EmbeddedEngine, GenerateRequest, SamplingParams
+from miles.rollout.sampling import sample_reference
+
+
+@pytest.fixture
+def engine(tiny_model_cfg):
+    return EmbeddedEngine(tiny_model_cfg, max_batch_size=4, max_seq_len=48, seed=0)
+
+
+def _req(rid, ids, **sp):
+    return GenerateRequest(rid=rid, input_ids=ids, sampling=SamplingParams(**sp))
+
+
+def _greedy_by_full_forward(model, prompt, n):
+    seq = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            seq.append(int(model(torch.tensor([seq]))[0, -1].argmax()))
+    return seq[len(prompt) :]
+
+
+def test_requests_beyond_the_slots_wait_and_each_equals_its_own_greedy_decode(engine):
+    prompts = [[1 + i, 7, 3 + (i % 3)] for i in range(10)]  # 10 requests, 4 slots
+    lengths = [3 + (i * 5) % 9 for i in range(10)]  # rows finish at different steps and free their slot
+    outs = engine.generate(
+        [_req(str(i), p, max_new_tokens=n, temperature=0) for i, (p, n) in enumerate(zip(prompts, lengths))]
+    )
+    for p, n, o in zip(prompts, lengths, outs):
+        assert o.output_ids == _greedy_by_full_forward(engine.model, p, n) and o.finish_reason == "length"
+    assert engine.loop.stats["admitted"] == 10 and engine.loop.stats["steps"] < sum(lengths)
+
+
+def test_a_groups_samples_prefill_their_prompt_once_and_match_unshared_decoding(engine):
+    group = [_req(f"g{i}", [4, 5, 6, 7], max_new_tokens=5, temperature=0) for i in range(4)]
+    before = engine.loop.stats["prefills"]
+    outs = engine.generate(group)
+    assert engine.loop.stats["prefills"] - before == 1
+    alone = _greedy_by_full_forward(engine.model, [4, 5, 6, 7], 5)
+    assert all(o.output_ids == alone for o in outs)
+
+
+def test_the_host_reads_the_finish_flags_once_when_no_row_can_stop_early(engine):
+    reads = engine.loop.stats["flag_reads"]
+    engine.generate([_req(str(i), [i + 1, 2], max_new_tokens=30, temperature=1.0) for i in range(4)], seed=0)
+    assert engine.loop.stats["flag_reads"] - reads == 1
+    reads = engine.loop.stats["flag_reads"]
+    engine.generate([_req("s", [1, 2], max_new_tokens=40, temperature=1.0, stop_token_ids=(300,))], seed=0)
+    assert engine.loop.stats["flag_reads"] - reads == 40 // engine.loop.check_every + 1  # every check_every steps
+
+
+def test_rows_with_different_sampling_parameters_share_a_batch(engine):
+    reqs = [
+        _req("greedy", [3, 1, 4], max_new_tokens=6, temperature=0),
+        _req("hot", [3, 1, 4], max_new_tokens=6, temperature=2.0),
+        _req("topk", [2, 7], max_new_tokens=6, temperature=1.0, top_k=1),
+        _req("short", [2, 7], max_new_tokens=2, temperature=0.5),
+    ]
+    outs = engine.generate(reqs, seed=0)
+    assert outs[0].output_ids == _greedy_by_full_forward(engine.model, [3, 1, 4], 6)
+    assert outs[2].output_ids == _greedy_by_full_forward(engine.model, [2, 7], 6)  # top-1 is greedy
+    assert [len(o.output_ids) for o in outs] == [6, 6, 6, 2]
+
+
+def test_top_k_keeps_only_the_k_most_likely_tokens(engine):
+    outs = engine.generate([_req(str(i), [9, 9], max_new_tokens=1, temperature=5.0, top_k=3) for i in range(40)])
+    with torch.no_grad():
+        top3 = engine.model(torch.tensor([[9, 9]]))[0, -1].topk(3).indices.tolist()
+    assert {o.output_ids[0] for o in outs} <= set(top3)
+
+
+def test_a_weight_update_while_generation_is_paused_applies_to_the_remaining_tokens(engine):
+    old = _greedy_by_full_forward(engine.model, [1, 2, 3], 8)
+    new = {k: v + 0.5 * torch.randn_like(v) for k, v in engine.named_weights().items()}
+    engine.pause_generation("in_place")
+    result = {}
+    t = threading.Thread(
+        target=lambda: result.update(o=engine.generate([_req("a", [1, 2, 3], max_new_tokens=8, temperature=0)]))
+    )
+    t.start()
+    time.sleep(0.3)  # prefill done (first token from the old weights), the loop waits before the first step
+    engine.update_weights_from_tensor(new.items(), version=1)
+    engine.continue_generation()
+    t.join(timeout=10)
+    out = result["o"][0]
+    assert out.weight_version == 1 and len(out.output_ids) == 8
+    # the first token came from the old weights; the rest from the new ones (over the prompt's old K/V, as SGLang)
+    assert out.output_ids[0] == old[0] and out.output_ids[1:] != old[1:]
+
+
+def test_aborting_waiting_requests_returns_them_empty_and_running_ones_partial(engine):
+    engine.pause_generation("in_place")
+    result = {}
+    reqs = [_req(str(i), [1, i + 1], max_new_tokens=30, temperature=0) for i in range(6)]  # 2 wait for a slot
+    t = threading.Thread(target=lambda: result.update(o=engine.generate(reqs)))
+    t.start()
+    time.sleep(0.3)
+    engine.abort(["0", "5"])
+    engine.continue_generation()
+    t.join(timeout=20)
+    o = {x.rid: x for x in result["o"]}
+    assert o["0"].finish_reason == "abort" and 0 < len(o["0"].output_ids) < 30
+    assert o["5"].finish_reason == "abort" and o["5"].output_ids == []
+    assert all(o[r].finish_reason == "length" and len(o[r].output_ids) == 30 for r in "1234")
+
+
+def test_decode_attention_reference_matches_full_attention_row_by_row():
+    torch.manual_seed(0)
+    R, H, KVH, S, D = 5, 6, 2, 40, 8
+    q, k, v = torch.randn(R, H, D), torch.randn(R + 2, KVH, S, D), torch.randn(R + 2, KVH, S, D)
+    lens = torch.tensor([1, 9, 40, 17, 33])
+    out = decode_attention_reference(q, k, v, lens, bound=40)
+    for r in range(R):
+        n = int(lens[r])
+        kk, vv = k[r, :, :n].repeat_interleave(H // KVH, 0), v[r, :, :n].repeat_interleave(H // KVH, 0)
+        ref = F.softmax(q[r, :, None] @ kk.transpose(1, 2) / D**0.5, -1) @ vv
+        torch.testing.assert_close(out[r], ref[:, 0], atol=1e-5, rtol=1e-5)
+
+
+def test_reference_sampler_log_probs_are_the_temperature_log_softmax_and_greedy_rows_take_the_argmax():
+    torch.manual_seed(1)
+    logits = torch.randn(6, 50) * 3
+    t = torch.tensor([0.0, 1.0, 0.7, 0.0, 2.0, 1.0])
+    tok, lp = sample_reference(logits, t, torch.Generator().manual_seed(0))
+    ref = torch.log_softmax(logits / torch.where(t > 0, t, 1)[:, None], -1).gather(-1, tok[:, None])[:, 0]
+    torch.testing.assert_close(lp, ref)
+    assert tok[0] == logits[0].argmax() and tok[3] == logits[3].argmax()
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None or os.environ.get("TRITON_INTERPRET") != "1",
+    reason="the Triton kernels run on CPU only under TRITON_INTERPRET=1 (and on the GPU in test_engine_gpu)",
+)
+def test_triton_kernels_match_their_references_in_the_interpreter():
+    from miles.rollout.kernels import decode_attention_triton, fused_sample
+
+    torch.manual_seed(2)
+    q, k, v = torch.randn(3, 4, 16), torch.randn(4, 2, 200, 16), torch.randn(4, 2, 200, 16)
+    lens = torch.tensor([1, 77, 200])
+    for splits in (1, 4):
+        out = decode_attention_triton(q, k, v, lens, splits)
+        torch.testing.assert_close(out, decode_attention_reference(q, k, v, lens), atol=1e-5, rtol=1e-5)
+    logits, t = torch.randn(4, 1000) * 3, torch.tensor([0.0, 1.0, 0.7, 2.0])
+    tok, lp = fused_sample(logits, t, torch.tensor([7]))
+    ref = torch.log_softmax(logits / torch.where(t > 0, t, 1)[:, None], -1).gather(-1, tok[:, None])[:, 0]
+    torch.testing.assert_close(lp, ref, atol=1e-5, rtol=0)
+    assert tok[0] == logits[0].argmax()
