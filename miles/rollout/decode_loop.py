@@ -39,19 +39,33 @@ class RowState:
         self.seed = torch.zeros(1, dtype=torch.long, device=device)
 
 
-def advance(st: RowState, rows: torch.Tensor, tok: torch.Tensor, lp: torch.Tensor) -> None:
-    """Record the sampled token of each live row in ``rows`` and decide on the device whether it finished."""
-    live = ~st.finished[rows]
-    n = st.num_gen[rows]
-    st.out_ids[rows, n] = tok  # a finished row writes past its last token: never read
-    st.out_lps[rows, n] = lp
-    hit = (tok[:, None] == st.stop_ids[rows]).any(1)
-    n = n + live
-    st.num_gen[rows] = n
-    st.lens[rows] += live
-    st.tokens[rows] = torch.where(live, tok, st.tokens[rows])
-    st.stopped[rows] |= live & hit
-    st.finished[rows] |= live & (hit | (n >= st.max_new[rows]))
+def advance(st: RowState, rows: torch.Tensor | slice, tok: torch.Tensor, lp: torch.Tensor) -> None:
+    """Record the sampled token of each live row in ``rows`` and decide on the device whether it finished.
+    ``rows``: a slice (a decode step over slots [0, R): views, updated in place) or slot indices (a prefill)."""
+    if isinstance(rows, slice):
+        idx = torch.arange(tok.shape[0], device=tok.device)
+        live = ~st.finished[rows]
+        n = st.num_gen[rows]
+        st.out_ids[idx, n] = tok  # a finished row writes past its last token: never read
+        st.out_lps[idx, n] = lp
+        hit = (tok[:, None] == st.stop_ids[rows]).any(1)
+        n += live
+        st.lens[rows] += live
+        torch.where(live, tok, st.tokens[rows], out=st.tokens[rows])
+        st.stopped[rows] |= live & hit
+        st.finished[rows] |= live & (hit | (n >= st.max_new[rows]))
+    else:
+        live = ~st.finished[rows]
+        n = st.num_gen[rows]
+        st.out_ids[rows, n] = tok
+        st.out_lps[rows, n] = lp
+        hit = (tok[:, None] == st.stop_ids[rows]).any(1)
+        n = n + live
+        st.num_gen[rows] = n
+        st.lens[rows] += live
+        st.tokens[rows] = torch.where(live, tok, st.tokens[rows])
+        st.stopped[rows] |= live & hit
+        st.finished[rows] |= live & (hit | (n >= st.max_new[rows]))
     st.seed += 1
 
 

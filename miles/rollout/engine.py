@@ -19,7 +19,7 @@ from miles.memory import MemoryLedger, TaggedMemory
 from miles.model.config import ModelConfig
 from miles.model.decoder import KVCache, build_decoder
 from miles.rollout.decode_loop import STOP_SLOTS, DecodeLoop, RowState, advance
-from miles.rollout.forward import RopeTable, decode_step
+from miles.rollout.forward import RopeTable, decode_step, decode_step_fused, fuse_projections
 from miles.rollout.sampling import sample, use_triton
 from miles.sync.receiver import UpdateCalls
 
@@ -87,6 +87,9 @@ class EmbeddedEngine(UpdateCalls):
         self.max_seq_len = max_seq_len or model_cfg.max_position_embeddings
         self.logprob_chunk_size = logprob_chunk_size
         self.model = build_decoder(model_cfg, seed=seed, device=self.device).eval().requires_grad_(False)
+        # CUDA with Triton: fused decode kernels and graphs (q|k|v and gate|up fused before the weights register)
+        self.fast = self.device.type == "cuda" and use_triton(torch.empty(0, device=self.device))
+        self.fused = fuse_projections(self.model) if self.fast else None
         self.cache = KVCache.allocate(
             model_cfg, max_batch_size, self.max_seq_len, self.device, next(self.model.parameters()).dtype
         )
@@ -97,10 +100,9 @@ class EmbeddedEngine(UpdateCalls):
         dtype = next(self.model.parameters()).dtype
         self.rope = RopeTable(model_cfg, self.max_seq_len, self.device, dtype)
         self.state = RowState(max_batch_size, self.max_seq_len + 1, self.device)
-        self._rows = torch.arange(max_batch_size, device=self.device)
         self.logits = torch.empty(max_batch_size, model_cfg.vocab_size, dtype=dtype, device=self.device)
         self.graphs = None
-        if self.device.type == "cuda" and use_triton(self.logits):
+        if self.fast:
             from miles.rollout.cuda_graphs import DecodeGraphs, pool_bytes
 
             self.graphs = DecodeGraphs(owner, self.ledger, reserve=pool_bytes(model_cfg, max_batch_size))
@@ -169,10 +171,13 @@ class EmbeddedEngine(UpdateCalls):
     @torch.no_grad()
     def _step(self, R: int, *, bound: int, flexible: bool) -> None:
         """One decode step over slots [0, R): graphed on CUDA, eager otherwise; ``flexible``: top-p / top-k rows."""
-        st, rows, logits = self.state, self._rows[:R], self.logits[:R]
+        st, rows, logits = self.state, slice(0, R), self.logits[:R]
 
         def forward():
-            decode_step(self.model, self.cache, self.rope, st.tokens[:R], st.lens[:R], logits, bound=bound)
+            if self.fused is not None:
+                decode_step_fused(self.model, self.fused, self.cache, self.rope, st.tokens[:R], st.lens[:R], logits)
+            else:
+                decode_step(self.model, self.cache, self.rope, st.tokens[:R], st.lens[:R], logits, bound=bound)
 
         def finish():
             tp, tk = (st.top_p[:R], st.top_k[:R]) if flexible else (None, None)

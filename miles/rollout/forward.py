@@ -11,6 +11,8 @@ the caller owns.
     rope = RopeTable(model.config, max_len, device, dtype)
     logits_UV = prefill(model, cache, rope, ids_UP, lens_U, slots_N, src_N)
     decode_step(model, cache, rope, tokens_R, lens_R, out_RV, bound=b)
+    fused = fuse_projections(model)                  # on CUDA: q|k|v and gate|up each one matmul
+    decode_step_fused(model, fused, cache, rope, tokens_R, lens_R, out_RV)   # Triton norm / rotary / SiLU
 """
 
 from __future__ import annotations
@@ -94,4 +96,67 @@ def decode_step(
         x = x + attn.o_proj(o.reshape(R, 1, -1))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
     h = model.model.norm(x[:, 0])
+    return torch.mm(h, model.lm_head.weight.t(), out=out_RV)
+
+
+class FusedProjections:
+    """Per layer, q|k|v and gate|up as one weight each, whose storage the modules' parameters are views of.
+
+    Weight updates copy into the parameters, hence into these storages; TaggedMemory sees the same bytes (one
+    storage where there were three and two). Built once, before the engine registers its weights."""
+
+    def __init__(self, qkv: list, qkv_bias: list, gate_up: list):
+        self.qkv, self.qkv_bias, self.gate_up = qkv, qkv_bias, gate_up
+
+
+def _fuse(params: list[torch.nn.Parameter]) -> torch.Tensor:
+    whole = torch.cat([p.detach() for p in params], 0)
+    off = 0
+    for p in params:
+        p.data = whole[off : off + p.shape[0]]
+        off += p.shape[0]
+    return whole
+
+
+def fuse_projections(model: Decoder) -> FusedProjections:
+    qkv, bias, gu = [], [], []
+    for layer in model.model.layers:
+        a, m = layer.self_attn, layer.mlp
+        qkv.append(_fuse([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]))
+        bias.append(_fuse([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]) if a.q_proj.bias is not None else None)
+        gu.append(_fuse([m.gate_proj.weight, m.up_proj.weight]))
+    return FusedProjections(qkv, bias, gu)
+
+
+@torch.no_grad()
+def decode_step_fused(
+    model: Decoder,
+    fused: FusedProjections,
+    cache: KVCache,
+    rope: RopeTable,
+    tokens_R: torch.Tensor,
+    lens_R: torch.Tensor,
+    out_RV: torch.Tensor,
+    *,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """``decode_step`` in about a dozen kernels per layer: residual add + RMSNorm, rotary + K/V write and
+    SiLU x up are one Triton kernel each, q|k|v and gate|up one matmul each (miles.rollout.kernels)."""
+    from miles.rollout.kernels import add_rmsnorm, rope_kv, silu_mul
+
+    cfg = model.config
+    H, KVH, D, eps = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps
+    R = tokens_R.shape[0]
+    layers = model.model.layers
+    x = model.model.embed_tokens(tokens_R)  # [R, hidden], contiguous: the residual stream, updated in place
+    h = add_rmsnorm(x, None, layers[0].input_layernorm.weight, eps)
+    filled = lens_R + 1
+    for i, layer in enumerate(layers):
+        qkv = F.linear(h, fused.qkv[i], fused.qkv_bias[i])
+        q = rope_kv(qkv, rope.cos, rope.sin, lens_R, cache.k[i], cache.v[i], H, KVH, D)
+        o = decode_attention(q, cache.k[i], cache.v[i], filled, num_splits=num_splits, fused=True)
+        h = add_rmsnorm(x, layer.self_attn.o_proj(o.reshape(R, -1)), layer.post_attention_layernorm.weight, eps)
+        mlp = layer.mlp.down_proj(silu_mul(F.linear(h, fused.gate_up[i])))
+        nxt = layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else model.model.norm.weight
+        h = add_rmsnorm(x, mlp, nxt, eps)
     return torch.mm(h, model.lm_head.weight.t(), out=out_RV)

@@ -15,49 +15,76 @@ try:
 except ImportError as e:  # pragma: no cover - use_triton() checks HAS_TRITON first
     raise ImportError("the engine's GPU kernels need Triton: pip install 'miles[gpu]'") from e
 
-SAMPLE_BLOCK_V = 4096
+SAMPLE_BLOCK_V = 2048  # one vocabulary tile per program of the first pass: rows x tiles programs fill the GPU
 
 
 @triton.jit
-def _sample_kernel(logits_ptr, stride_r, temp_ptr, seed_ptr, tok_ptr, lp_ptr, V, BLOCK_V: tl.constexpr):
-    # one program per row; every value of the row is read once and upcast in registers
+def _sample_tiles_kernel(logits_ptr, stride_r, temp_ptr, part_ptr, V, NUM_TILES, BLOCK_V: tl.constexpr):
+    # pass 1, grid (row, tile): the tile's max of x / T, sum of exp(x / T - max), and argmax
+    row, tile = tl.program_id(0), tl.program_id(1)
+    t = tl.load(temp_ptr + row).to(tl.float32)
+    inv_t = tl.where(t <= 0.0, 1.0, 1.0 / tl.maximum(t, 1e-6))
+    offs = tile * BLOCK_V + tl.arange(0, BLOCK_V)
+    ok = offs < V
+    x = tl.load(logits_ptr + row.to(tl.int64) * stride_r + offs, mask=ok, other=-float("inf")).to(tl.float32) * inv_t
+    m = tl.max(x, 0)
+    s = tl.sum(tl.where(ok, tl.exp(x - m), 0.0), 0)
+    out = part_ptr + (row * NUM_TILES + tile) * 3
+    tl.store(out, m)
+    tl.store(out + 1, s)
+    tl.store(out + 2, (tile * BLOCK_V + tl.argmax(x, 0)).to(tl.float32))
+
+
+@triton.jit
+def _sample_pick_kernel(
+    logits_ptr, stride_r, temp_ptr, seed_ptr, part_ptr, tok_ptr, lp_ptr, V, NUM_TILES,
+    BLOCK_V: tl.constexpr, TILES_PAD: tl.constexpr,
+):  # fmt: skip
+    # pass 2, one program per row: the log-normaliser from the tiles; greedy rows take the argmax, sampled rows
+    # invert the CDF at one uniform draw: the tile first, then the token inside it (one more tile read)
     row = tl.program_id(0)
     t = tl.load(temp_ptr + row).to(tl.float32)
     greedy = t <= 0.0
     inv_t = tl.where(greedy, 1.0, 1.0 / tl.maximum(t, 1e-6))
-    seed = tl.load(seed_ptr)
-    m = -float("inf")
-    s = 0.0
-    best = -float("inf")
-    best_x = 0.0
-    best_i = 0
-    for v0 in range(0, V, BLOCK_V):
-        offs = v0 + tl.arange(0, BLOCK_V)
-        ok = offs < V
-        x = tl.load(logits_ptr + row.to(tl.int64) * stride_r + offs, mask=ok, other=-float("inf")).to(tl.float32)
-        x = x * inv_t
-        m_new = tl.maximum(m, tl.max(x, 0))
-        s = s * tl.exp(m - m_new) + tl.sum(tl.where(ok, tl.exp(x - m_new), 0.0), 0)
-        m = m_new
-        u = tl.rand(seed, row * V + offs)
-        g = -tl.log(-tl.log(tl.minimum(tl.maximum(u, 1e-20), 1.0 - 1e-7)))
-        score = tl.where(ok, tl.where(greedy, x, x + g), -float("inf"))
-        b = tl.max(score, 0)
-        bi = tl.argmax(score, 0)
-        bx = tl.sum(tl.where(offs == v0 + bi, x, 0.0), 0)
-        take = b > best
-        best_x = tl.where(take, bx, best_x)
-        best_i = tl.where(take, v0 + bi, best_i)
-        best = tl.where(take, b, best)
-    tl.store(tok_ptr + row, best_i.to(tl.int64))
-    tl.store(lp_ptr + row, best_x - m - tl.log(s))
+    c = tl.arange(0, TILES_PAD)
+    cok = c < NUM_TILES
+    part = part_ptr + (row * NUM_TILES + c) * 3
+    m = tl.load(part, mask=cok, other=-float("inf"))
+    s = tl.load(part + 1, mask=cok, other=0.0)
+    M = tl.max(m, 0)
+    w = tl.where(cok, s * tl.exp(m - M), 0.0)
+    S = tl.sum(w, 0)
+    u = tl.rand(tl.load(seed_ptr), row) * S
+    cw = tl.cumsum(w, 0)
+    pick = tl.minimum(tl.sum(tl.where(cok & (cw <= u), 1, 0), 0), NUM_TILES - 1)
+    before = tl.sum(tl.where(c < pick, w, 0.0), 0)
+    offs = pick * BLOCK_V + tl.arange(0, BLOCK_V)
+    ok = offs < V
+    x = tl.load(logits_ptr + row.to(tl.int64) * stride_r + offs, mask=ok, other=-float("inf")).to(tl.float32) * inv_t
+    p = tl.where(ok, tl.exp(x - M), 0.0)
+    over = (tl.cumsum(p, 0) + before > u) & (p > 0)
+    last = tl.max(tl.where(p > 0, offs, -1), 0)  # rounding can leave u past the tile's sum: take its last token
+    drawn = tl.minimum(tl.min(tl.where(over, offs, V), 0), last)
+    best = tl.sum(tl.where(c == tl.argmax(m, 0), tl.load(part + 2, mask=cok, other=0.0), 0.0), 0).to(tl.int32)
+    tok = tl.where(greedy, best, drawn)
+    x_tok = tl.load(logits_ptr + row.to(tl.int64) * stride_r + tok).to(tl.float32) * inv_t
+    tl.store(tok_ptr + row, tok.to(tl.int64))
+    tl.store(lp_ptr + row, x_tok - M - tl.log(S))
 
 
 def fused_sample(logits_RV: torch.Tensor, temperature_R: torch.Tensor, seed_t: torch.Tensor):
     R, V = logits_RV.shape
+    tiles = triton.cdiv(V, SAMPLE_BLOCK_V)
+    part = torch.empty(R, tiles, 3, dtype=torch.float32, device=logits_RV.device)
     tok = torch.empty(R, dtype=torch.int64, device=logits_RV.device)
     lp = torch.empty(R, dtype=torch.float32, device=logits_RV.device)
-    _sample_kernel[(R,)](logits_RV, logits_RV.stride(0), temperature_R, seed_t, tok, lp, V, BLOCK_V=SAMPLE_BLOCK_V)
+    _sample_tiles_kernel[(R, tiles)](
+        logits_RV, logits_RV.stride(0), temperature_R, part, V, tiles, BLOCK_V=SAMPLE_BLOCK_V
+    )
+    _sample_pick_kernel[(R,)](
+        logits_RV, logits_RV.stride(0), temperature_R, seed_t, part, tok, lp, V, tiles,
+        BLOCK_V=SAMPLE_BLOCK_V, TILES_PAD=triton.next_power_of_2(tiles),
+    )  # fmt: skip
     return tok, lp
 
 
@@ -141,4 +168,94 @@ def decode_attention_triton(q_RHD, k_cache, v_cache, lens_R, num_splits: int, bl
         IEEE=q_RHD.dtype == torch.float32, num_warps=4,
     )  # fmt: skip
     _decode_reduce_kernel[(R * H,)](acc, ml, out, D=D, NUM_SPLITS=num_splits, num_warps=1)
+    return out
+
+
+@triton.jit
+def _add_rmsnorm_kernel(x_ptr, d_ptr, w_ptr, y_ptr, H, eps, ADD: tl.constexpr, BLOCK: tl.constexpr):
+    # x += d (rounded to x's dtype, as torch adds), then y = w * (x * rsqrt(mean(x^2) + eps)) in the decoder's
+    # order of roundings: the normalised row is cast to the model dtype before the weight multiplies it
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    ok = offs < H
+    x = tl.load(x_ptr + row * H + offs, mask=ok, other=0.0)
+    if ADD:
+        x = (x.to(tl.float32) + tl.load(d_ptr + row * H + offs, mask=ok, other=0.0).to(tl.float32)).to(x.dtype)
+        tl.store(x_ptr + row * H + offs, x, mask=ok)
+    xf = x.to(tl.float32)
+    r = tl.rsqrt(tl.sum(xf * xf, 0) / H + eps)
+    n = (xf * r).to(x.dtype).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * H + offs, (w * n).to(x.dtype), mask=ok)
+
+
+def add_rmsnorm(x_NH: torch.Tensor, delta_NH: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    """In place ``x += delta`` (when given), returns rmsnorm(x); x contiguous [N, H]."""
+    N, H = x_NH.shape
+    y = torch.empty_like(x_NH)
+    d = delta_NH if delta_NH is not None else x_NH
+    _add_rmsnorm_kernel[(N,)](x_NH, d, weight, y, H, eps, ADD=delta_NH is not None, BLOCK=triton.next_power_of_2(H))
+    return y
+
+
+@triton.jit
+def _rope_kv_kernel(
+    qkv_ptr, s_qkv, cos_ptr, sin_ptr, lens_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, sk_b, sk_h, sk_n,
+    H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr,
+):  # fmt: skip
+    # one program per (row, head of q, k or v): rotary on q and k at the row's position; k and v into the cache
+    row, head = tl.program_id(0), tl.program_id(1)
+    pos = tl.load(lens_ptr + row)
+    offs = tl.arange(0, D)
+    half = D // 2
+    swap = tl.where(offs < half, offs + half, offs - half)
+    src = qkv_ptr + row * s_qkv + head * D
+    x = tl.load(src + offs)
+    if head < H + KVH:
+        c = tl.load(cos_ptr + pos * D + offs).to(tl.float32)
+        s = tl.load(sin_ptr + pos * D + offs).to(tl.float32)
+        xr = tl.load(src + swap).to(tl.float32)
+        xr = tl.where(offs < half, -xr, xr)
+        a = (x.to(tl.float32) * c).to(x.dtype).to(tl.float32)
+        b = (xr * s).to(x.dtype).to(tl.float32)
+        x = (a + b).to(x.dtype)
+    if head < H:
+        tl.store(q_out_ptr + (row * H + head) * D + offs, x)
+    else:
+        kv = head - H
+        dst = row.to(tl.int64) * sk_b + (kv % KVH) * sk_h + pos.to(tl.int64) * sk_n + offs
+        if kv < KVH:
+            tl.store(k_cache_ptr + dst, x)
+        else:
+            tl.store(v_cache_ptr + dst, x)
+
+
+def rope_kv(qkv_RX, cos, sin, lens_R, k_cache, v_cache, H: int, KVH: int, D: int) -> torch.Tensor:
+    """qkv [R, (H + 2 KVH) D] (q, k, v heads in order): q rotated -> [R, H, D]; k rotated and v into the caches."""
+    R = qkv_RX.shape[0]
+    q = torch.empty(R, H, D, dtype=qkv_RX.dtype, device=qkv_RX.device)
+    _rope_kv_kernel[(R, H + 2 * KVH)](
+        qkv_RX, qkv_RX.stride(0), cos, sin, lens_R, q, k_cache, v_cache,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), H=H, KVH=KVH, D=D, num_warps=1,
+    )  # fmt: skip
+    return q
+
+
+@triton.jit
+def _silu_mul_kernel(gu_ptr, out_ptr, I, BLOCK: tl.constexpr):
+    # [N, 2I] (gate | up) -> silu(gate) * up, rounded like F.silu(gate) * up
+    row, blk = tl.program_id(0), tl.program_id(1)
+    offs = blk * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < I
+    g = tl.load(gu_ptr + row * 2 * I + offs, mask=ok, other=0.0)
+    u = tl.load(gu_ptr + row * 2 * I + I + offs, mask=ok, other=0.0).to(tl.float32)
+    gf = g.to(tl.float32)
+    a = (gf / (1.0 + tl.exp(-gf))).to(g.dtype).to(tl.float32)
+    tl.store(out_ptr + row * I + offs, (a * u).to(g.dtype), mask=ok)
+
+
+def silu_mul(gu_NI2: torch.Tensor) -> torch.Tensor:
+    N, I2 = gu_NI2.shape
+    out = torch.empty(N, I2 // 2, dtype=gu_NI2.dtype, device=gu_NI2.device)
+    _silu_mul_kernel[(N, triton.cdiv(I2 // 2, 1024))](gu_NI2, out, I2 // 2, BLOCK=1024)
     return out

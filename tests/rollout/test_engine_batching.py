@@ -152,8 +152,30 @@ def test_triton_kernels_match_their_references_in_the_interpreter():
     for splits in (1, 4):
         out = decode_attention_triton(q, k, v, lens, splits)
         torch.testing.assert_close(out, decode_attention_reference(q, k, v, lens), atol=1e-5, rtol=1e-5)
-    logits, t = torch.randn(4, 1000) * 3, torch.tensor([0.0, 1.0, 0.7, 2.0])
+    logits, t = torch.randn(4, 5000) * 3, torch.tensor([0.0, 1.0, 0.7, 2.0])  # 3 vocabulary tiles
     tok, lp = fused_sample(logits, t, torch.tensor([7]))
     ref = torch.log_softmax(logits / torch.where(t > 0, t, 1)[:, None], -1).gather(-1, tok[:, None])[:, 0]
     torch.testing.assert_close(lp, ref, atol=1e-5, rtol=0)
     assert tok[0] == logits[0].argmax()
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None or os.environ.get("TRITON_INTERPRET") != "1",
+    reason="the Triton kernels run on CPU only under TRITON_INTERPRET=1 (and on the GPU in test_engine_gpu)",
+)
+def test_fused_decode_step_matches_the_reference_step_in_the_interpreter(tiny_model_cfg):
+    from miles.model.decoder import KVCache, build_decoder
+    from miles.rollout.forward import RopeTable, decode_step, decode_step_fused, fuse_projections
+
+    torch.manual_seed(3)
+    model, rope = build_decoder(tiny_model_cfg, seed=0), RopeTable(tiny_model_cfg, 64, "cpu", torch.float32)
+    caches = [KVCache.allocate(tiny_model_cfg, 4, 64, "cpu", torch.float32) for _ in range(2)]
+    for src, dst in zip(caches[0].tensors(), caches[1].tensors()):
+        dst.copy_(src.normal_())
+    tok, lens = torch.tensor([5, 17, 250]), torch.tensor([0, 10, 40])
+    ref = decode_step(model, caches[0], rope, tok, lens, torch.empty(3, tiny_model_cfg.vocab_size))
+    fused = fuse_projections(model)
+    out = decode_step_fused(model, fused, caches[1], rope, tok, lens, torch.empty_like(ref), num_splits=2)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    for a, b in zip(caches[0].tensors(), caches[1].tensors()):
+        torch.testing.assert_close(a, b)  # the same K/V written at each row's position

@@ -55,6 +55,23 @@ def test_fused_sampler_log_probs_greedy_rows_and_distribution_match_the_referenc
     torch.testing.assert_close(freq, torch.softmax(small[0], -1), atol=0.015, rtol=0)
 
 
+def test_fused_decode_step_matches_the_reference_step_in_bf16():
+    from miles.model.decoder import KVCache, build_decoder
+    from miles.rollout.forward import RopeTable, decode_step, decode_step_fused, fuse_projections
+
+    cfg = _cfg("bfloat16")
+    torch.manual_seed(4)
+    model, rope = build_decoder(cfg, seed=0, device="cuda"), RopeTable(cfg, 256, "cuda", torch.bfloat16)
+    caches = [KVCache.allocate(cfg, 40, 256, "cuda", torch.bfloat16) for _ in range(2)]
+    for src, dst in zip(caches[0].tensors(), caches[1].tensors()):
+        dst.copy_(src.normal_())
+    tok, lens = torch.randint(0, 1000, (37,), device="cuda"), torch.randint(0, 255, (37,), device="cuda")
+    ref = decode_step(model, caches[0], rope, tok, lens, torch.empty(37, 1000, device="cuda", dtype=torch.bfloat16))
+    out = decode_step_fused(model, fuse_projections(model), caches[1], rope, tok, lens, torch.empty_like(ref))
+    assert ((out.float() - ref.float()).norm() / ref.float().norm()).item() < 1e-2
+    assert torch.equal(caches[0].v[1], caches[1].v[1])
+
+
 def test_graphed_greedy_decoding_equals_the_argmax_of_a_full_forward_with_more_requests_than_slots():
     engine = EmbeddedEngine(_cfg(), max_batch_size=8, max_seq_len=96, device="cuda", seed=0)
     prompts = [[(7 * i + j) % 999 + 1 for j in range(3 + i % 5)] for i in range(20)]
