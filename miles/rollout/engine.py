@@ -89,7 +89,7 @@ class EmbeddedEngine(UpdateCalls):
         self.model = build_decoder(model_cfg, seed=seed, device=self.device).eval().requires_grad_(False)
         # CUDA with Triton: fused decode kernels and graphs (q|k|v and gate|up fused before the weights register)
         self.fast = self.device.type == "cuda" and use_triton(torch.empty(0, device=self.device))
-        self.fused = fuse_projections(self.model) if self.fast else None
+        self.fused = fuse_projections(self.model) if self.fast and not model_cfg.qk_norm else None  # Qwen3: unfused
         self.cache = KVCache.allocate(
             model_cfg, max_batch_size, self.max_seq_len, self.device, next(self.model.parameters()).dtype
         )

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from miles.model.decoder import Decoder, KVCache, _rotate_half, rotary_cos_sin
+from miles.model.decoder import Decoder, KVCache, _rotate_half, rope_inv_freq, rotary_cos_sin
 from miles.rollout.decode_attention import decode_attention
 
 
@@ -29,15 +29,18 @@ class RopeTable:
 
     def __init__(self, cfg, max_len: int, device, dtype):
         pos = torch.arange(max_len, device=device)[None]
-        cos, sin = rotary_cos_sin(pos, cfg.head_dim, cfg.rope_theta, dtype)
+        cos, sin = rotary_cos_sin(pos, rope_inv_freq(cfg, device), dtype)
         self.cos, self.sin = cos[0, 0], sin[0, 0]  # [max_len, head_dim]
 
 
 def _qkv(attn, x_BTH, cos, sin):
     cfg = attn.cfg
     B, T, _ = x_BTH.shape
-    q = attn.q_proj(x_BTH).view(B, T, cfg.num_attention_heads, cfg.head_dim).transpose(1, 2)
-    k = attn.k_proj(x_BTH).view(B, T, cfg.num_key_value_heads, cfg.head_dim).transpose(1, 2)
+    q = attn.q_proj(x_BTH).view(B, T, cfg.num_attention_heads, cfg.head_dim)
+    k = attn.k_proj(x_BTH).view(B, T, cfg.num_key_value_heads, cfg.head_dim)
+    if cfg.qk_norm:  # Qwen3
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    q, k = q.transpose(1, 2), k.transpose(1, 2)
     v = attn.v_proj(x_BTH).view(B, T, cfg.num_key_value_heads, cfg.head_dim).transpose(1, 2)
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
 

@@ -179,3 +179,13 @@ def test_fused_decode_step_matches_the_reference_step_in_the_interpreter(tiny_mo
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     for a, b in zip(caches[0].tensors(), caches[1].tensors()):
         torch.testing.assert_close(a, b)  # the same K/V written at each row's position
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_greedy_decoding_of_other_families_equals_the_full_forward(tiny_model_cfg, arch):
+    from dataclasses import replace
+
+    cfg = replace(tiny_model_cfg, architecture=arch, attention_bias=False)
+    engine = EmbeddedEngine(cfg, max_batch_size=2, max_seq_len=32, seed=0)
+    outs = engine.generate([_req(str(i), [3, 5 + i, 8], max_new_tokens=8, temperature=0) for i in range(3)])
+    assert [o.output_ids for o in outs] == [_greedy_by_full_forward(engine.model, [3, 5 + i, 8], 8) for i in range(3)]
