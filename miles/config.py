@@ -14,6 +14,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Literal
 
+from miles.config_check import check, require_finite
 from miles.data.config import DataConfig, EvalConfig, check_run
 from miles.model.config import ModelConfig
 from miles.policy.objective import check_objective, check_rollout, check_trainer
@@ -60,13 +61,12 @@ class RolloutConfig:
     overlong_penalty_factor: float = 1.0  # reward penalty at max_new_tokens (linear from 0 over the buffer)
 
     def __post_init__(self):
+        require_finite("rollout", self)
         for name in ("num_prompts_per_step", "n_samples_per_prompt", "max_new_tokens", "num_engines", "max_batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"rollout.{name} = {getattr(self, name)} must be >= 1")
-        if not self.temperature > 0:
-            raise ValueError(
-                f"rollout.temperature = {self.temperature} must be > 0 (greedy: use a small value like 1e-5)"
-            )
+        check("rollout.temperature", self.temperature, ge=1e-6, fix="greedy: use a small value like 1e-5")
+        check("rollout.max_seq_len", self.max_seq_len, ge=0, fix="0 = model.max_position_embeddings")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"rollout.top_p = {self.top_p} must be in (0, 1]")
         check_rollout(self)
@@ -116,14 +116,24 @@ class TrainerConfig:
     )
 
     def __post_init__(self):
-        if self.world_size < 1:
-            raise ValueError(f"trainer.world_size = {self.world_size} must be >= 1")
+        require_finite("trainer", self)
+        check("trainer.world_size", self.world_size, ge=1, fix="data-parallel ranks; 1 = no FSDP")
         if not 0 < self.lr < 1:
             raise ValueError(f"trainer.lr = {self.lr} is out of range; use a value in (0, 1), e.g. 1e-4")
-        if not 0 <= self.eps_clip < 1 or self.eps_clip_high < 0:
-            raise ValueError(f"trainer.eps_clip = {self.eps_clip} must be in [0, 1) and eps_clip_high >= 0")
-        if self.num_minibatches < 1 or self.logprob_chunk_size < 1:
-            raise ValueError("trainer.num_minibatches and trainer.logprob_chunk_size must be >= 1")
+        check("trainer.warmup_sft_lr", self.warmup_sft_lr, gt=0, lt=1, fix="e.g. 3e-3 (a negative LR is ascent)")
+        check("trainer.warmup_sft_steps", self.warmup_sft_steps, ge=0, fix="0 = no supervised warm-up")
+        check("trainer.weight_decay", self.weight_decay, ge=0, fix="0 = none, e.g. 0.01 (negative grows the weights)")
+        for i, beta in enumerate(self.betas):
+            check(f"trainer.betas[{i}]", beta, ge=0, lt=1, fix="Adam's decay rates, e.g. trainer.betas=0.9,0.99")
+        check("trainer.max_grad_norm", self.max_grad_norm, gt=0, fix="e.g. 1.0 (a negative norm is gradient ascent)")
+        check("trainer.eps_clip", self.eps_clip, ge=0, lt=1, fix="the lower ratio clip 1 - eps_clip, e.g. 0.2")
+        check(
+            "trainer.eps_clip_high", self.eps_clip_high, ge=0, fix="the upper ratio clip 1 + eps_clip_high, e.g. 0.28"
+        )
+        check("trainer.kl_coef", self.kl_coef, ge=0, fix="0 turns the KL term (and the reference model) off")
+        check("trainer.optimizer_offload_chunk_bytes", self.optimizer_offload_chunk_bytes, ge=4096, fix="e.g. 64MiB")
+        check("trainer.num_minibatches", self.num_minibatches, ge=1, fix="optimizer steps per rollout batch, e.g. 1")
+        check("trainer.logprob_chunk_size", self.logprob_chunk_size, ge=1, fix="tokens per chunk, e.g. 1024")
         if self.megatron_attention not in ("local", "sdpa"):
             raise ValueError(f"trainer.megatron_attention = {self.megatron_attention!r} must be 'local' or 'sdpa'")
         check_trainer(self)
@@ -150,6 +160,7 @@ class SyncConfig:
     )
 
     def __post_init__(self):
+        require_finite("sync", self)
         if self.update_weight_buffer_size < 1 << 10:
             raise ValueError(
                 f"sync.update_weight_buffer_size = {self.update_weight_buffer_size} bytes is too small; use >= 1 KiB"
@@ -222,21 +233,18 @@ class AgentConfig:
     slow_test_s: float = 0.0  # how long a slow test runs
 
     def __post_init__(self):
+        require_finite("agents", self)
         _ = self.instances  # parses session_ports, raises with the fix if malformed
         if self.oversample_factor < 1:
             raise ValueError(f"agents.oversample_factor = {self.oversample_factor} must be >= 1 (1 = no oversampling)")
         for name in ("flush_timeout_s", "episode_timeout_s", "test_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"agents.{name} = {getattr(self, name)} must be > 0 seconds")
-        if self.flush_retries < 0 or self.max_turns < 1 or self.max_tokens_per_turn < 1:
-            raise ValueError(
-                f"agents.flush_retries = {self.flush_retries} must be >= 0, max_turns = {self.max_turns} and "
-                f"max_tokens_per_turn = {self.max_tokens_per_turn} >= 1"
-            )
-        if not 0 <= self.slow_test_fraction <= 1 or self.slow_test_s < 0:
-            raise ValueError(
-                f"agents.slow_test_fraction = {self.slow_test_fraction} must be in [0, 1], slow_test_s >= 0"
-            )
+        check("agents.flush_retries", self.flush_retries, ge=0, fix="extra attempts after a failed flush, e.g. 2")
+        check("agents.max_turns", self.max_turns, ge=1, fix="model turns per episode, e.g. 4")
+        check("agents.max_tokens_per_turn", self.max_tokens_per_turn, ge=1, fix="e.g. 48")
+        check("agents.slow_test_fraction", self.slow_test_fraction, ge=0, le=1, fix="a share of tasks; 0 = none")
+        check("agents.slow_test_s", self.slow_test_s, ge=0, fix="seconds a slow test runs")
 
     @property
     def instances(self) -> dict[int, str]:
@@ -285,6 +293,8 @@ class RunConfig:
     log: LogConfig = field(default_factory=LogConfig)  # experiment trackers
 
     def __post_init__(self):
+        check("seed", self.seed, ge=0, lt=2**32, fix="any integer in [0, 2**32)")
+        check("num_threads", self.num_threads, ge=0, fix="0 = all cores")
         if self.num_steps < 0 or self.checkpoint_every < 0:
             raise ValueError(
                 f"num_steps = {self.num_steps} and checkpoint_every = {self.checkpoint_every} must be >= 0"

@@ -124,3 +124,80 @@ def test_misspelt_field_in_code_is_an_error():
 
     with pytest.raises(TypeError):
         TrainerConfig(learning_rate=1e-3)
+
+
+# ---- issue 18, item 11: values that were accepted and then trained silently wrong or failed late in an actor ----
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("trainer.max_grad_norm=-1", "trainer.max_grad_norm = -1.0 must be > 0; e.g. 1.0"),
+        ("trainer.warmup_sft_lr=-1", "trainer.warmup_sft_lr = -1.0 must be > 0 and < 1"),
+        ("trainer.kl_coef=nan", "trainer.kl_coef = nan is not a finite number"),
+        ("rollout.temperature=inf", "rollout.temperature = inf is not a finite number"),
+        ("rollout.temperature=1e-320", "rollout.temperature = 1e-320 must be >= 1e-06"),
+        ("trainer.eps_clip_high=nan", "trainer.eps_clip_high = nan is not a finite number"),
+        ("trainer.entropy_coef=nan", "trainer.entropy_coef = nan is not a finite number"),
+        ("trainer.weight_decay=-0.1", "trainer.weight_decay = -0.1 must be >= 0"),
+        ("model.rope_theta=-1", "model.rope_theta = -1.0 must be > 0"),
+        ("model.rms_norm_eps=-1e-6", "model.rms_norm_eps = -1e-06 must be > 0"),
+        ("model.init_std=nan", "model.init_std = nan is not a finite number"),
+        ("rollout.max_seq_len=-5", "rollout.max_seq_len = -5 must be >= 0; 0 = model.max_position_embeddings"),
+        ("model.head_dim=-2", "model.head_dim = -2 must be >= 0; 0 derives it"),
+        ("trainer.betas=2,3", "trainer.betas[0] = 2.0 must be >= 0 and < 1"),
+        ("trainer.betas=0.9,nan", "trainer.betas = 0.9,nan is not a finite number"),
+        ("trainer.optimizer_offload_chunk_bytes=0", "trainer.optimizer_offload_chunk_bytes = 0 must be >= 4096"),
+        ("num_threads=-4", "num_threads = -4 must be >= 0; 0 = all cores"),
+        ("agents.oversample_factor=inf", "agents.oversample_factor = inf is not a finite number"),
+    ],
+)
+def test_values_that_trained_silently_wrong_are_refused_naming_the_field_value_and_fix(override, message):
+    with pytest.raises(ValueError) as e:
+        apply_overrides(quickstart(), [override])
+    assert message in str(e.value)
+
+
+def test_one_sample_per_prompt_with_group_advantages_is_refused_before_it_trains_a_loss_of_zero():
+    with pytest.raises(ValueError, match="every advantage would be 0"):
+        apply_overrides(quickstart(), ["rollout.n_samples_per_prompt=1"])
+
+
+def _numeric_fields():
+    """(dotted path, type) of every int / float / tuple-of-float field of the run config and its sections."""
+    import dataclasses
+    import typing
+
+    hints = typing.get_type_hints(RunConfig)
+    for name, tp in hints.items():
+        sections = [(name + ".", tp)] if dataclasses.is_dataclass(tp) else []
+        if tp in (int, float):
+            yield name, tp
+        for prefix, cls in sections:
+            for field_name, ftp in typing.get_type_hints(cls).items():
+                if ftp in (int, float) or typing.get_origin(ftp) is tuple and float in typing.get_args(ftp):
+                    yield prefix + field_name, ftp
+
+
+# Fields where a negative value is a legitimate choice, with the reason. Every other numeric field must refuse -1.
+NEGATIVE_ALLOWED = {"trainer.entropy_coef": "a negative coefficient rewards low entropy (entropy minimisation)"}
+
+
+@pytest.mark.parametrize("path, tp", list(_numeric_fields()), ids=[p for p, _ in _numeric_fields()])
+def test_every_numeric_config_field_refuses_non_finite_and_negative_values(path, tp):
+    name = path.rsplit(".", 1)[-1]
+    bad = ["nan", "inf", "-inf"] if tp is not int else []
+    bad += [] if path in NEGATIVE_ALLOWED else ["-1"]
+    for raw in bad:
+        value = f"{raw},{raw}" if tp not in (int, float) else raw
+        with pytest.raises(ValueError) as e:
+            apply_overrides(quickstart(), [f"{path}={value}"])
+        assert name in str(e.value) and raw in str(e.value), (path, raw, str(e.value))
+
+
+def test_every_recipe_still_validates():
+    from miles.recipes import RECIPES
+
+    for name in RECIPES:
+        cfg = get_recipe(name)
+        assert RunConfig.from_dict(cfg.to_dict()) == cfg, name

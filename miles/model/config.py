@@ -11,6 +11,8 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Literal
 
+from miles.config_check import check, require_finite
+
 
 @dataclass(kw_only=True, slots=True)
 class ModelConfig:
@@ -38,6 +40,7 @@ class ModelConfig:
     tokenizer: str = "bytes"  # "bytes" (built in) or "hf:<dir-or-gguf>" (needs transformers)
 
     def __post_init__(self):
+        require_finite("model", self)
         for name in (
             "vocab_size",
             "hidden_size",
@@ -49,6 +52,10 @@ class ModelConfig:
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"model.{name} = {getattr(self, name)} must be positive")
+        check("model.head_dim", self.head_dim, ge=0, fix="0 derives it: hidden_size // num_attention_heads")
+        check("model.rope_theta", self.rope_theta, gt=0, fix="the rotary base, e.g. 10000 (Llama 2) or 1e6 (Qwen2)")
+        check("model.rms_norm_eps", self.rms_norm_eps, gt=0, fix="e.g. 1e-6")
+        check("model.init_std", self.init_std, gt=0, fix="the random-init scale, e.g. 0.02")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"model.num_attention_heads = {self.num_attention_heads} is not a multiple of "

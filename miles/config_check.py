@@ -1,0 +1,48 @@
+"""Range checks for config fields, so that each field's rule reads in one line of its ``__post_init__``.
+
+A value that trains silently wrong (a negative clip norm is gradient ascent, a NaN coefficient writes NaN weights)
+or fails late inside an actor is refused when the config is built, before Ray starts, with the field, the value
+and the fix in the message:
+
+    require_finite("trainer", self)  # NaN and infinities, in every float field
+    check("trainer.max_grad_norm", self.max_grad_norm, gt=0, fix="e.g. 1.0")
+    -> ValueError: trainer.max_grad_norm = -1.0 must be > 0; e.g. 1.0
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import operator
+
+_OPS = (("gt", ">", operator.gt), ("ge", ">=", operator.ge), ("lt", "<", operator.lt), ("le", "<=", operator.le))
+
+
+def check(path: str, value, *, gt=None, ge=None, lt=None, le=None, fix: str = "") -> None:
+    """Raise ValueError unless ``value`` is a finite number within every bound given (gt/ge/lt/le)."""
+    bounds = {"gt": gt, "ge": ge, "lt": lt, "le": le}
+    rule = [(sign, bounds[key]) for key, sign, _ in _OPS if bounds[key] is not None]
+    ok = math.isfinite(value) and all(op(value, bounds[key]) for key, _, op in _OPS if bounds[key] is not None)
+    if not ok:
+        want = " and ".join(f"{sign} {_num(bound)}" for sign, bound in rule)
+        what = f"a finite number {want}" if not math.isfinite(value) else want
+        raise ValueError(f"{path} = {value!r} must be {what}" + (f"; {fix}" if fix else ""))
+
+
+def require_finite(section: str, cfg) -> None:
+    """Refuse NaN and infinities in every float field (and every float in a tuple field) of the dataclass ``cfg``."""
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        items = value if isinstance(value, tuple) else (value,)
+        if any(isinstance(x, float) and not math.isfinite(x) for x in items):
+            default = f.default if f.default is not dataclasses.MISSING else None
+            hint = f" (the default is {_show(default)})" if default is not None else ""
+            raise ValueError(f"{section}.{f.name} = {_show(value)} is not a finite number; set a finite value{hint}")
+
+
+def _num(x) -> str:
+    return str(x) if isinstance(x, int) else f"{x:g}"
+
+
+def _show(value) -> str:
+    return ",".join(f"{x!r}" for x in value) if isinstance(value, tuple) else repr(value)
