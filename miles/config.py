@@ -293,6 +293,9 @@ class RunConfig:
     log: LogConfig = field(default_factory=LogConfig)  # experiment trackers
 
     def __post_init__(self):
+        for f in dataclasses.fields(self):  # every section, those without a check of their own too
+            if dataclasses.is_dataclass(section := getattr(self, f.name)):
+                require_finite(f.name, section)
         check("seed", self.seed, ge=0, lt=2**32, fix="any integer in [0, 2**32)")
         check("num_threads", self.num_threads, ge=0, fix="0 = all cores")
         if self.num_steps < 0 or self.checkpoint_every < 0:

@@ -54,6 +54,10 @@ class ModelConfig:
                 raise ValueError(f"model.{name} = {getattr(self, name)} must be positive")
         check("model.head_dim", self.head_dim, ge=0, fix="0 derives it: hidden_size // num_attention_heads")
         check("model.rope_theta", self.rope_theta, gt=0, fix="the rotary base, e.g. 10000 (Llama 2) or 1e6 (Qwen2)")
+        check("model.rope_factor", self.rope_factor, gt=0, fix="llama3 scaling's divisor, e.g. 8")
+        check("model.rope_high_freq_factor", self.rope_high_freq_factor, gt=0, fix="e.g. 4 (llama3 scaling)")
+        check("model.rope_low_freq_factor", self.rope_low_freq_factor, gt=0, fix="e.g. 1 (llama3 scaling)")
+        check("model.rope_original_max_position_embeddings", self.rope_original_max_position_embeddings, gt=0)
         check("model.rms_norm_eps", self.rms_norm_eps, gt=0, fix="e.g. 1e-6")
         check("model.init_std", self.init_std, gt=0, fix="the random-init scale, e.g. 0.02")
         if self.num_attention_heads % self.num_key_value_heads:
