@@ -2,7 +2,6 @@
 parameter counts the model authors publish."""
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,8 +17,9 @@ from miles.memory.traffic import (
     weight_shapes,
     workspace_share,
 )
+from miles.model.size import HF_CONFIG_DIR
 
-CONFIGS = Path("/work/shared/model-configs")
+CONFIGS = HF_CONFIG_DIR  # the HF configs shipped with miles (not a path outside the repository)
 CFG = SIZES["cpu"]  # 1 layer, 4 experts: every dim a multiple of 128, so every recipe fits
 
 
