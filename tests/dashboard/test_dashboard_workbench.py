@@ -140,6 +140,7 @@ def test_an_empty_run_directory_says_so_on_every_tab(browser, tmp_path):
             page.click(f"#tabs button[data-tab='{tab}']")
             page.wait_for_selector(empty, state="visible")
         assert "Rollouts tab" in page.inner_text("#sample-empty")
+        assert not page.is_visible("#strip")  # no empty strip box under the message
         assert page.errors == []
 
 
