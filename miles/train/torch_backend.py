@@ -8,6 +8,7 @@ offload/onload by tag, clear_memory). Tags: ``params``, ``grads``, ``optimizer``
 from __future__ import annotations
 
 import copy
+import math
 import time
 from collections.abc import Iterator
 
@@ -26,6 +27,11 @@ from miles.policy.schedule import lr_at
 from miles.train.batch import TrainBatch
 
 TRAIN_TAGS = ("params", "grads", "optimizer", "quant_workspace")
+
+
+class NonFiniteTrainingError(RuntimeError):
+    """A NaN or infinite gradient norm: the optimizer step was skipped, so the weights stay finite, and the run
+    stops before anything is synced to the engines."""
 
 
 def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -152,12 +158,14 @@ class TorchBackend:
         # measure and the rollout correction's numerator (with one minibatch, the training forward gives them)
         old = [self.forward_logprobs(mb) for mb in minibatches] if c.num_minibatches > 1 else [None] * len(minibatches)
         seen = []
-        for mb, old_lp in zip(minibatches, old):
+        where = f"RL step {step}" if step is not None else "a train step"
+        for i, (mb, old_lp) in enumerate(zip(minibatches, old)):
             out, old_lp = self._minibatch_loss(mb, old_lp)
             out.loss.backward()
             seen.append(old_lp.cpu())
             metrics = _accumulate(metrics, out.metrics, len(minibatches))
-            metrics["grad_norm"] = self._optimizer_step()
+            at = f"{where}, minibatch {i + 1} of {len(minibatches)}" if len(minibatches) > 1 else where
+            metrics["grad_norm"] = self._optimizer_step(at, out.loss)
         self.last_log_probs = torch.cat(seen)  # [N, L] log-probs before the update (for dumps and dashboards)
         metrics |= mismatch_metrics(self.last_log_probs, batch.rollout_log_probs, batch.loss_mask)
         metrics["train_time"] = time.perf_counter() - t0
@@ -204,17 +212,25 @@ class TorchBackend:
         lp, _ = self._token_log_probs(self.model, tokens)
         loss = -masked_mean(lp, mask)
         loss.backward()
-        return {"sft_loss": loss.item(), "grad_norm": self._optimizer_step()}
+        return {"sft_loss": loss.item(), "grad_norm": self._optimizer_step("a supervised warm-up step", loss)}
 
-    def _optimizer_step(self) -> float:
+    def _optimizer_step(self, where: str, loss: torch.Tensor) -> float:
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
+        norm_value = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # the same on every rank
+        if not math.isfinite(norm_value):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise NonFiniteTrainingError(
+                f"{where}: grad_norm = {norm_value} (loss = {loss.item()}) is not finite; the optimizer step was "
+                "skipped, the weights are those before it and nothing was synced to the engines. Check the rewards "
+                "and advantages for NaN, or lower trainer.lr; the rerun resumes from the last checkpoint"
+            )
         if self.optim_offloader is not None:
             self.optim_offloader.restore()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.optim_offloader is not None:
             self.optim_offloader.offload()
-        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        return norm_value
 
     def set_lr(self, lr: float) -> None:
         for g in self.optimizer.param_groups:

@@ -87,3 +87,31 @@ def test_state_dict_round_trip_resumes_identically(tiny_model_cfg):
     a.train_step(_batch(seed=4))
     b.train_step(_batch(seed=4))
     assert all(torch.equal(x, y) for (_, x), (_, y) in zip(a.named_weights(), b.named_weights()))
+
+
+def test_a_nan_gradient_stops_the_step_naming_it_and_leaves_the_weights_unchanged(tiny_model_cfg):
+    from miles.train.torch_backend import NonFiniteTrainingError
+
+    b, twin = TorchBackend(tiny_model_cfg, TrainerConfig()), TorchBackend(tiny_model_cfg, TrainerConfig())
+    for backend in (b, twin):
+        backend.train_step(_batch(seed=1), step=0)
+    before = {k: v.clone() for k, v in b.named_weights()}
+    poisoned = _batch(seed=3)
+    poisoned.advantages[0] = float("nan")  # e.g. a reward function that returned NaN
+    with pytest.raises(NonFiniteTrainingError, match=r"RL step 3: grad_norm = nan \(loss = nan\) is not finite"):
+        b.train_step(poisoned, step=3)
+    assert all(torch.equal(before[k], v) for k, v in b.named_weights())
+    # nothing of the refused step is left behind: the next finite step equals one that never saw the NaN batch
+    b.train_step(_batch(seed=2), step=1)
+    twin.train_step(_batch(seed=2), step=1)
+    assert all(torch.equal(x, y) for (_, x), (_, y) in zip(b.named_weights(), twin.named_weights()))
+
+
+def test_a_nan_gradient_in_the_supervised_warm_up_is_named_too(tiny_model_cfg):
+    from miles.train.torch_backend import NonFiniteTrainingError
+
+    b = TorchBackend(tiny_model_cfg, TrainerConfig())
+    b.set_lr(float("inf"))  # the first step's update is infinite, so the second step's loss and gradients are NaN
+    b.sft_step(_batch())
+    with pytest.raises(NonFiniteTrainingError, match="a supervised warm-up step: grad_norm = nan"):
+        b.sft_step(_batch())
