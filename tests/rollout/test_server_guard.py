@@ -82,6 +82,9 @@ def test_binding_beyond_loopback_without_a_key_warns_and_a_taken_port_is_one_cle
             serve_main(["--host", "0.0.0.0", "--port", str(port)])
     err = capsys.readouterr().err
     assert "WARNING miles serve: listening on 0.0.0.0 without an API key" in err and "--api-key" in err
+    with pytest.raises(SystemExit):
+        serve_main(["--port", "99999"])
+    assert "'99999' is not a port; use 0..65535" in capsys.readouterr().err
 
 
 def test_the_host_allow_list_is_loopback_and_the_bound_host_and_reads_ipv6_host_headers():
