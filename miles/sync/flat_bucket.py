@@ -242,19 +242,7 @@ def open_shm_readonly(h: BucketHandle) -> torch.Tensor:
     except OSError as e:
         raise BucketRefused(f"bucket {h.key} cannot be opened read-only ({e.strerror}); nothing was created") from None
     try:
-        st = os.fstat(fd)
-        problem = (
-            "is not a regular file"
-            if not stat.S_ISREG(st.st_mode)
-            else f"belongs to uid {st.st_uid}, not this process's {os.geteuid()}"
-            if st.st_uid != os.geteuid()
-            else f"has {st.st_nlink} hard links"
-            if st.st_nlink != 1
-            else f"holds {st.st_size} bytes, fewer than the declared {h.nbytes}"
-            if st.st_size < h.nbytes
-            else ""
-        )
-        if problem:
+        if problem := _file_problem(os.fstat(fd), h.nbytes):
             raise BucketRefused(f"bucket {h.path} {problem}; refused")
         mapped = mmap.mmap(fd, h.nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
     finally:
@@ -298,3 +286,16 @@ def _shm_dir(nbytes: int = 0) -> str:
     if os.path.isdir(shm) and os.access(shm, os.W_OK) and shutil.disk_usage(shm).free >= 2 * nbytes:
         return shm
     return tempfile.gettempdir()
+
+
+def _file_problem(st: os.stat_result, nbytes: int) -> str:
+    """Why an opened bucket file cannot be a sender's staging buffer ("" when it can)."""
+    if not stat.S_ISREG(st.st_mode):
+        return "is not a regular file"
+    if st.st_uid != os.geteuid():
+        return f"belongs to uid {st.st_uid}, not this process's {os.geteuid()}"
+    if st.st_nlink != 1:  # a second name: a hard link to some other file
+        return f"has {st.st_nlink} hard links"
+    if st.st_size < nbytes:
+        return f"holds {st.st_size} bytes, fewer than the declared {nbytes}"
+    return ""
