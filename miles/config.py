@@ -277,6 +277,7 @@ class RunConfig:
     run_dir: str = "runs/latest"
     checkpoint_every: int = 10  # RL steps between checkpoints (0: only at the end)
     resume: bool = True  # continue from the last complete checkpoint in run_dir
+    overwrite: bool = False  # consent to write into a non-run directory, or (resume=false) delete the run there
     device: Literal["auto", "cpu", "cuda"] = "auto"
     ray_address: str = ""  # "" starts a local Ray; "ray://host:10001" or "auto" joins a cluster
     num_threads: int = 0  # torch threads per actor; 0 = all cores

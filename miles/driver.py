@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import signal
 import threading
 import time
 
+from miles.checkpoints import step_dir_name
 from miles.cluster import Cluster
 from miles.config import RunConfig
 from miles.handoff import HandoffPlan
@@ -17,28 +20,29 @@ log = logging.getLogger("miles")
 
 def train(cfg: RunConfig, *, progress: bool = True, stop: threading.Event | None = None, on_step=None) -> list[dict]:
     """Run ``cfg.num_steps`` RL steps (resuming from the last checkpoint); returns the metrics rows."""
-    run_dir = RunDir(cfg.run_dir)
-    run_dir.write_config(cfg.to_json())
-    plan = resolve_plan(cfg)
-    log.info(plan.describe())
-    with Cluster(cfg) as c:
-        book = Bookkeeper(cfg, run_dir, c, on_step)
-        start = book.resume()
-        if start == 0:
-            warmup(cfg, c, book)
-        book.ledger(-1, c.execute(plan.init, version=start))
-        for step in book.progress(range(start, cfg.num_steps), progress):
-            if stop is not None and stop.is_set():
-                book.checkpoint(step, reason="stopped")
-                break
-            t0 = time.perf_counter()
-            batches, rollout = book.generate(step)
-            moved = c.execute(plan.rollout_to_train)
-            results = c.trainer.call_each("train", batches, want_log_probs=cfg.dump_rollouts, step=step)
-            moved |= c.execute(plan.train_to_rollout, version=step + 1)
-            book.record(step, rollout, results, moved, time.perf_counter() - t0)
-        else:
-            book.checkpoint(cfg.num_steps, reason="end")
+    run = RunDir.open(cfg.run_dir, resume=cfg.resume, overwrite=cfg.overwrite, config=cfg.to_dict())  # locked
+    with run, say_what_is_saved(run):
+        plan = resolve_plan(cfg)
+        log.info(plan.describe())
+        with Cluster(cfg) as c:
+            book = Bookkeeper(cfg, run, c, on_step)
+            start = book.resume()
+            if book.saved_step is None:
+                warmup(cfg, c, book)
+            book.ledger(-1, c.execute(plan.init, version=start))
+            with StopOnCtrlC(stop) as stop:  # the first Ctrl-C ends the loop at a step boundary, saved
+                for step in book.progress(range(start, cfg.num_steps), progress):
+                    if stop.is_set():
+                        book.checkpoint(step, reason="stopped")
+                        break
+                    t0 = time.perf_counter()
+                    batches, rollout = book.generate(step)
+                    moved = c.execute(plan.rollout_to_train)
+                    results = c.trainer.call_each("train", batches, want_log_probs=cfg.dump_rollouts, step=step)
+                    moved |= c.execute(plan.train_to_rollout, version=step + 1)
+                    book.record(step, rollout, results, moved, time.perf_counter() - t0)
+                else:
+                    book.checkpoint(cfg.num_steps, reason="end")
     return book.rows
 
 
@@ -70,16 +74,20 @@ class Bookkeeper:
         self.rows: list[dict] = []
         self.pool_bytes = {"device": 0, "host": 0, "disk": 0}
         self.bar = None
+        self.saved_step: int | None = None  # the step of the newest checkpoint this run loaded or wrote
+        self.dump_failures = 0
 
     def resume(self) -> int:
-        found = self.run_dir.latest_checkpoint() if self.cfg.resume else None
-        if not found:
-            self.run_dir.reset()
-            return 0
-        next_step, path = found
-        log.warning("resuming from %s (next RL step %d)", path, next_step)
-        self.c.trainer.call("load_checkpoint", str(path))
-        self.run_dir.truncate_metrics(next_step)
+        """Load the newest verified checkpoint (resume=true), then start every log at its step; config.json is
+        written only now, so a resume that fails to load leaves the run's record as it was."""
+        found = self.run_dir.checkpoints.latest() if self.cfg.resume else None
+        next_step = 0
+        if found:
+            next_step, path = found
+            log.warning("resuming from %s (next RL step %d)", path, next_step)
+            self.c.trainer.call("load_checkpoint", str(path))
+            self.saved_step = next_step
+        self.run_dir.begin(next_step, self.cfg.to_json(), resumed=found is not None)
         self.rows = [r for r in self.run_dir.metrics() if r.get("phase") != "sft"]
         return next_step
 
@@ -142,12 +150,37 @@ class Bookkeeper:
         except ImportError:
             return
         rows = self.c.get(self.c.rollout.sample_rows.remote(train_log_probs))
-        RolloutDumpWriter(run_dir=self.run_dir.path).write_step(step, rows)
+        try:
+            RolloutDumpWriter(run_dir=self.run_dir.path).write_step(step, rows)
+        except OSError as e:  # the dashboard's copy, not the run: training goes on
+            self.dump_failures += 1
+            log.warning(
+                "RL step %d: rollout dump not written (%s); training continues (%d dumps missing so far)",
+                step,
+                e,
+                self.dump_failures,
+            )
 
     def checkpoint(self, next_step: int, reason: str) -> None:
+        if self.saved_step is not None and next_step <= self.saved_step:
+            if next_step < self.saved_step:
+                log.warning(
+                    "num_steps = %d: the run is already at RL step %d; nothing to do", next_step, self.saved_step
+                )
+            return  # nothing trained since that checkpoint
         if next_step == 0 and reason != "end":
             return
-        path = self.c.save_checkpoint(self.run_dir, next_step)
+        try:
+            path = self.c.save_checkpoint(self.run_dir, next_step)
+        except Exception as e:
+            cause = _root_cause(e)
+            if not isinstance(cause, OSError) and type(cause).__name__ != "SafetensorError":
+                raise
+            raise CheckpointError(
+                f"checkpoint {self.run_dir.ckpt_root / step_dir_name(next_step)} could not be written "
+                f"({type(cause).__name__}: {cause}); {saved_message(self.run_dir, lead='the run stops here')}"
+            ) from None
+        self.saved_step = next_step
         log.info("checkpoint %s (%s)", path, reason)
 
     def progress(self, steps, enabled: bool):
@@ -159,6 +192,59 @@ class Bookkeeper:
             steps, desc=f"miles {self.cfg.recipe}", unit="step", initial=steps.start, total=self.cfg.num_steps
         )
         return self.bar
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written (disk full, read-only, ...); earlier ones are intact."""
+
+
+class StopOnCtrlC:
+    """Inside the loop the first Ctrl-C (SIGINT) sets the stop event, so the step in flight completes and is saved;
+    a second one raises KeyboardInterrupt at once. Only the main thread can take signals: elsewhere (a notebook's
+    run thread) this is the caller's event alone."""
+
+    def __init__(self, event: threading.Event | None):
+        self.event = event or threading.Event()
+        self.interrupted = False
+        self._previous = None
+
+    def is_set(self) -> bool:
+        return self.event.is_set()
+
+    def _on_sigint(self, signum, frame) -> None:
+        if self.interrupted:
+            raise KeyboardInterrupt
+        self.interrupted = True
+        self.event.set()
+        log.warning("Ctrl-C: stopping after the current RL step, which is saved (press Ctrl-C again to quit now)")
+
+    def __enter__(self) -> "StopOnCtrlC":
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._on_sigint)
+        return self
+
+    def __exit__(self, exc_type, *exc) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+        if self.interrupted and exc_type is None:
+            raise KeyboardInterrupt  # stopped and saved; the caller still learns it was interrupted
+
+
+@contextlib.contextmanager
+def say_what_is_saved(run: RunDir):
+    """KeyboardInterrupt leaves with a message that names the newest checkpoint, or says that none exists."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        raise KeyboardInterrupt(saved_message(run)) from None
+
+
+def saved_message(run_dir: RunDir, lead: str = "interrupted") -> str:
+    """What a rerun of the same command resumes from, truthfully."""
+    steps = run_dir.checkpoints.steps()
+    if steps:
+        return f"{lead}; RL steps before {steps[0][0]} are saved in {steps[0][1]}: rerun the same command to resume"
+    return f"{lead}; no checkpoint is saved in {run_dir.path}, so a rerun of the same command starts from RL step 0"
 
 
 def _mean(dicts: list[dict]) -> dict:

@@ -1,12 +1,16 @@
 """The RL loop end to end on real Ray actors (tiny model, a few seconds per step)."""
 
 import json
+import os
 import re
+import shutil
+import signal
 
 import pytest
 
 from miles.driver import train
 from miles.rollout.tasks import RewardError
+from miles.run_dir import RunDirError
 from tests.conftest import tiny_run_cfg
 
 
@@ -37,8 +41,11 @@ def test_resume_continues_from_the_last_complete_checkpoint_and_skips_a_half_wri
     with caplog.at_level("WARNING"):
         rows = train(more, progress=False)
     assert [r["step"] for r in rows] == [0, 1, 2, 3]  # steps 0-1 kept from the first run, 2-3 new
-    assert any(re.search(r"ignoring checkpoint .*step_000005: missing", m) for m in caplog.messages)
-    assert not (ckpts / ".step_000004.abc.tmp").exists()
+    assert any(
+        re.search(r"checkpoint .*step_000005 is broken \(missing .*moved it to step_000005.broken-", m)
+        for m in caplog.messages
+    )
+    assert not (ckpts / ".step_000004.abc.tmp").exists() and not (ckpts / "step_000005").exists()
     assert [r["step"] for r in _metrics(more) if "step" in r] == [0, 1, 2, 3]
 
 
@@ -89,3 +96,45 @@ def test_every_transport_carries_the_loop_and_the_engine_matches_the_trainer_aft
     )
     rows = train(cfg, progress=False)  # check_weights raises WeightMismatch after a sync that lost a byte
     assert [r["step"] for r in rows] == [0, 1] and all(r["weight_version"] == r["step"] for r in rows)
+
+
+def test_ctrl_c_in_the_loop_saves_the_completed_steps_says_where_and_the_rerun_resumes(tmp_path, ray_session):
+    cfg = tiny_run_cfg(tmp_path, "num_steps=3", "checkpoint_every=0", "trainer.warmup_sft_steps=0")
+
+    def ctrl_c_after_step_0(row):
+        if row["step"] == 0:
+            os.kill(os.getpid(), signal.SIGINT)  # what a terminal's Ctrl-C sends (Ray's processes block SIGINT)
+
+    with pytest.raises(KeyboardInterrupt, match=r"RL steps before 1 are saved in .*step_000001: rerun the same"):
+        train(cfg, progress=False, on_step=ctrl_c_after_step_0)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handler restored
+    rows = train(cfg, progress=False)
+    assert [r["step"] for r in rows] == [0, 1, 2] == [r["step"] for r in _metrics(cfg) if "step" in r]
+
+
+def test_a_rollout_dump_that_cannot_be_written_warns_and_training_goes_on(tmp_path, ray_session, caplog):
+    cfg = tiny_run_cfg(tmp_path, "num_steps=2", "checkpoint_every=0", "trainer.warmup_sft_steps=0")
+    rollouts = tmp_path / "run" / "rollouts"
+
+    def break_the_dump_dir(row):
+        if row["step"] == 0:
+            shutil.rmtree(rollouts)
+            rollouts.write_text("not a directory")  # every later dump fails with an OSError, as on a full disk
+
+    with caplog.at_level("WARNING"):
+        rows = train(cfg, progress=False, on_step=break_the_dump_dir)
+    assert [r["step"] for r in rows] == [0, 1]
+    assert any("RL step 1: rollout dump not written" in m and "1 dumps missing" in m for m in caplog.messages)
+    assert (tmp_path / "run" / "checkpoints" / "step_000002" / "model.safetensors").exists()
+
+
+def test_resume_false_over_a_run_with_checkpoints_is_refused_before_ray_starts_and_keeps_every_file(tmp_path):
+    from tests.test_run_dir import _a_run
+
+    _a_run(tmp_path / "run")
+    before = {p: p.read_bytes() for p in (tmp_path / "run").rglob("*") if p.is_file() and p.name != "run.lock"}
+    cfg = tiny_run_cfg(tmp_path, "resume=false")
+    with pytest.raises(RunDirError, match="resume=false would mix a new run into it"):
+        train(cfg, progress=False)
+    after = {p: p.read_bytes() for p in (tmp_path / "run").rglob("*") if p.is_file() and p.name != "run.lock"}
+    assert after == before
