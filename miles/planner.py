@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 
 from miles.config import RunConfig
 from miles.handoff import HandoffPlan, Step
-from miles.hardware import GB, GiB, HardwareProfile, get_profile
+from miles.hardware import GiB, HardwareProfile, get_profile
 from miles.memory.host_arena import arena_footprint, caching_allocator_footprint
 
 ALIGN = 64  # TaggedMemory's per-storage alignment inside an arena
@@ -158,24 +158,27 @@ class PlanReport:
             f"{self.recipe}: colocate_memory_peak_device = {self.mode}" + (f" ({self.reason})" if self.reason else ""),
             f"  {self.gpus} GPUs on {self.nodes} x {hw.name} ({self.ranks_per_node} ranks/node); "
             f"host budget {_fmt(hw.host_bytes)}/node, device {_fmt(hw.hbm_bytes)}/GPU; host arenas: {self.host_allocator}",
-            f"  {'phase':<17} {'step':<58} {'moved/GPU':>10} {'device/GPU':>11} {'host/node':>10}",
+            f"  {'phase':<17} {'step':<58} {'moved/GPU':>10} {'seconds':>8} {'device/GPU':>12} {'host/node':>11}",
         ]
         for s in self.steps:
             flag = " <-- over " + "+".join(s.over) if s.over else ""
             dev = _fmt(s.device) + ("*" if s.transient_device else " ")
             lines.append(
-                f"  {s.phase:<17} {s.step:<58} {_fmt(sum(s.moved.values())):>10} {dev:>11} {_fmt(s.host_node):>10}{flag}"
+                f"  {s.phase:<17} {s.step:<58} {_fmt(sum(s.moved.values())):>10} {s.seconds:>8.3f} {dev:>12} "
+                f"{_fmt(s.host_node):>11}{flag}"
             )
         lines.append(
             f"  peaks: device {_fmt(self.device_peak)}/GPU (budget {_fmt(self.device_budget)}), host "
             f"{_fmt(self.host_peak)}/node (budget {_fmt(self.host_budget)}) -> "
             f"{'fits' if self.fits_device and self.fits_host else 'DOES NOT FIT'}  (* includes the step's working set)"
         )
+        lines.append(f"  predicted handoff time: {self.handoff_seconds:.3f} s per RL step (moved bytes over the link)")
         return "\n".join(lines)
 
 
 def _fmt(n: float) -> str:
-    return f"{n / GiB:.1f}G" if n >= GiB else f"{n / (1 << 20):.1f}M" if n >= 1 << 20 else f"{n / 1024:.1f}K"
+    """Binary units throughout (the budgets are GiB too)."""
+    return f"{n / GiB:.1f} GiB" if n >= GiB else f"{n / (1 << 20):.1f} MiB" if n >= 1 << 20 else f"{n / 1024:.1f} KiB"
 
 
 # ---- sizes ----------------------------------------------------------------------------------------------------
@@ -260,10 +263,17 @@ def _hf_sizes(cfg: RunConfig) -> Sizes:
     from miles.memory.traffic import offload_bytes, workspace_bytes
     from miles.model.size import count_params, kv_bytes_per_token, load_hf_config, model_shapes
 
-    hf = load_hf_config(cfg.handoff.plan_model)
+    try:  # a hand-written config.json may lack a field or hold a zero where a count belongs
+        hf = load_hf_config(cfg.handoff.plan_model)
+        shapes = model_shapes(hf)
+        count = count_params(hf)
+    except (KeyError, TypeError, AttributeError, ZeroDivisionError, ValueError) as e:
+        raise ValueError(
+            f"handoff.plan_model = {cfg.handoff.plan_model!r} is not a usable HF config.json "
+            f"({type(e).__name__}: {e}); it needs a JSON object with vocab_size, hidden_size, num_hidden_layers, "
+            "num_attention_heads (> 0), intermediate_size and the MoE/MLA fields its architecture uses"
+        ) from None
     r, t, world = cfg.rollout, cfg.trainer, cfg.trainer.world_size
-    shapes = model_shapes(hf)
-    count = count_params(hf)
     N = count.total
     train_pol, eng_pol = _policies(cfg)
     megatron = t.backend == "megatron"
@@ -465,8 +475,8 @@ def choose_mode(cfg: RunConfig, hardware: str | HardwareProfile | None = None) -
     hw = hardware if isinstance(hardware, HardwareProfile) else get_profile(hardware or cfg.handoff.hardware)
     cpu = plan(cfg, hw, mode="cpu")
     peaks = lambda r: (
-        f"{r.mode} mode: host {r.host_peak / GB:.1f} GB/node (budget {r.host_budget / GB:.1f}), "
-        f"device {r.device_peak / GB:.1f} GB/GPU (budget {r.device_budget / GB:.1f})"
+        f"{r.mode} mode: host {r.host_peak / GiB:.1f} GiB/node (budget {r.host_budget / GiB:.1f}), "
+        f"device {r.device_peak / GiB:.1f} GiB/GPU (budget {r.device_budget / GiB:.1f})"
     )
     if cpu.fits_host and cpu.fits_device:
         return "cpu", f"{peaks(cpu)} fits on {hw.name}"
@@ -486,6 +496,17 @@ def choose_mode(cfg: RunConfig, hardware: str | HardwareProfile | None = None) -
     )
 
 
+MAX_PLAN_STEPS = 100  # the steady state repeats from the second step; a long replay only costs time
+EXIT_DOES_NOT_FIT = 3
+
+
+def _steps(text: str) -> int:
+    n = int(text)
+    if not 0 <= n <= MAX_PLAN_STEPS:
+        raise argparse.ArgumentTypeError(f"--steps {n} must be in 0..{MAX_PLAN_STEPS}")
+    return n
+
+
 def main(argv: list[str] | None = None) -> int:
     """``miles plan --recipe R --hardware gb300 [--set a.b=v ...] [--mode cpu|gpu|auto|both] [--json]``."""
     from miles.config import apply_overrides
@@ -501,8 +522,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
     p.add_argument("--mode", default="both", choices=["cpu", "gpu", "auto", "both"])
     p.add_argument("--host-allocator", default="arena", choices=list(HOST_ALLOCATORS))
-    p.add_argument("--steps", type=int, default=2, help="RL steps to replay after init")
+    p.add_argument("--steps", type=_steps, default=2, help=f"RL steps to replay after init (0..{MAX_PLAN_STEPS})")
     p.add_argument("--json", action="store_true")
+    p.epilog = "exit status: 0 when a plan fits, 3 when none of the planned modes fits, 2 for bad input"
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     cfg = apply_overrides(get_recipe(args.recipe), args.set)
     hw = get_profile(args.hardware or cfg.handoff.hardware)
@@ -530,4 +552,4 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print("\n\n".join(r.table() for r in reports))
         print(f"\nauto -> {auto['mode']}: {auto['reason']}\n{hw.note}")
-    return 0
+    return 0 if any(r.fits_device and r.fits_host for r in reports) else EXIT_DOES_NOT_FIT

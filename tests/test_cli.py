@@ -1,0 +1,134 @@
+"""The real ``miles`` command in a subprocess: help texts, exit codes, one-line errors. Nothing here starts Ray:
+every case fails (or finishes) before a cluster would start."""
+
+import errno
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from miles.cli import EXIT_BAD_INPUT, EXIT_FAILED, explain
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def miles(*args: str, cwd=None, env=None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MILES_DEBUG": "", **(env or {})}
+    return subprocess.run(
+        [sys.executable, "-m", "miles.cli", *args], capture_output=True, text=True, timeout=120, cwd=cwd, env=env
+    )
+
+
+def _one_line_error(r: subprocess.CompletedProcess, code: int, *needles: str) -> str:
+    assert r.returncode == code, (r.returncode, r.stderr[-2000:])
+    assert "Traceback" not in r.stderr, r.stderr
+    line = next(l for l in r.stderr.splitlines() if l.startswith("miles "))
+    for needle in needles:
+        assert needle in line, line
+    return line
+
+
+def test_miles_version_prints_the_package_version():
+    from miles import __version__
+
+    r = miles("--version")
+    assert r.returncode == 0 and r.stdout.strip() == f"miles {__version__}"
+
+
+def test_train_help_lists_every_recipe_and_documents_recipe_and_force():
+    from miles.recipes import RECIPES
+
+    out = " ".join(miles("train", "--help").stdout.split())
+    assert all(name in out for name in RECIPES)
+    assert "--recipe NAME the base config" in out and "--force same as --set overwrite=true" in out
+
+
+def test_bench_help_lists_every_benchmark_and_a_bare_miles_bench_prints_that_usage_with_exit_2():
+    from miles.bench import available
+
+    assert all(name in miles("bench", "--help").stdout for name in available())
+    bare = miles("bench")
+    assert bare.returncode == EXIT_BAD_INPUT and "usage: miles bench" in bare.stderr and "weight-sync" in bare.stderr
+
+
+@pytest.mark.parametrize(
+    "args, needles",
+    [
+        (["bench", "nope"], ["unknown benchmark 'nope'; available:"]),
+        (["train", "--recipe", "nope"], ["unknown recipe 'nope'"]),
+        (["train", "--set", "trainer.nope=1"], ["unknown config field 'trainer.nope'"]),
+        (["train", "--set", "run_dir="], ["run_dir is empty"]),
+        (["plan", "--steps", "1000000"], ["--steps 1000000 must be in 0..100"]),
+        (["plan", "--hardware", "nonsense"], ["unknown hardware profile 'nonsense'"]),
+    ],
+    ids=["benchmark", "recipe", "field", "empty-run-dir", "plan-steps", "hardware"],
+)
+def test_bad_input_exits_2_with_one_line_and_no_traceback(args, needles):
+    _one_line_error(miles(*args), EXIT_BAD_INPUT, *needles)
+
+
+def test_a_run_dir_that_is_a_file_or_a_foreign_directory_exits_2_and_nothing_is_written(tmp_path):
+    (tmp_path / "f").write_text("x")
+    _one_line_error(miles("train", "--set", f"run_dir={tmp_path / 'f'}"), EXIT_BAD_INPUT, "is a file, not a directory")
+    proj = tmp_path / "proj"
+    (proj / "rollouts").mkdir(parents=True)
+    (proj / "metrics.jsonl").write_text("{}\n")
+    _one_line_error(miles("train", "--set", f"run_dir={proj}"), EXIT_BAD_INPUT, "holds no miles run", "--force")
+    assert sorted(os.listdir(proj)) == ["metrics.jsonl", "rollouts"]
+
+
+def test_a_malformed_plan_model_exits_2_naming_the_file(tmp_path):
+    bad = tmp_path / "config.json"
+    bad.write_text(json.dumps({"hidden_size": 64}))
+    line = _one_line_error(
+        miles("plan", "--recipe", "gb300_kimi_k2_plan", "--set", f"handoff.plan_model={bad}"), EXIT_BAD_INPUT
+    )
+    assert f"handoff.plan_model = '{bad}' is not a usable HF config.json" in line
+
+
+def test_miles_plan_exits_3_when_the_plan_does_not_fit_and_0_when_it_does():
+    over = miles("plan", "--recipe", "gb300_kimi_k2_plan", "--mode", "cpu")  # the cpu host peak exceeds 898 GiB
+    assert over.returncode == 3 and "DOES NOT FIT" in over.stdout
+    fits = miles("plan", "--recipe", "gb300_kimi_k2_plan", "--mode", "gpu")
+    assert fits.returncode == 0 and "-> fits" in fits.stdout
+    table = fits.stdout
+    assert " GB" not in table.split("\nauto ->")[0] and "GiB/GPU" in table and "seconds" in table
+    assert "predicted handoff time:" in table
+
+
+def test_a_port_in_use_is_one_line_with_exit_1(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        r = miles("dashboard", str(tmp_path), "--port", str(port))
+    _one_line_error(r, EXIT_FAILED, f"cannot listen on 127.0.0.1:{port}", "pick another --port")
+
+
+def test_debug_adds_the_traceback_to_the_one_line():
+    r = miles("bench", "nope", "--debug")
+    assert r.returncode == EXIT_BAD_INPUT and "Traceback" in r.stderr and "unknown benchmark 'nope'" in r.stderr
+    assert "Traceback" in miles("bench", "nope", env={"MILES_DEBUG": "1"}).stderr
+
+
+def test_environmental_errors_map_to_one_line_and_an_exit_code_even_from_inside_a_ray_actor():
+    from ray.exceptions import RayTaskError
+    from safetensors import SafetensorError
+
+    assert explain(OSError(errno.EROFS, "Read-only file system", "runs/x")) == (
+        EXIT_FAILED,
+        "failed: OSError: [Errno 30] Read-only file system: 'runs/x'",
+    )
+    full = RayTaskError("save_checkpoint", "Traceback ...\n  long remote text", OSError(errno.ENOSPC, "No space left"))
+    assert explain(full.as_instanceof_cause()) == (EXIT_FAILED, "failed: OSError: [Errno 28] No space left")
+    assert explain(SafetensorError("invalid header length")) == (
+        EXIT_FAILED,
+        "failed: SafetensorError: invalid header length",
+    )
+    assert explain(OverflowError("bind(): port must be 0-65535."))[0] == EXIT_BAD_INPUT
+    assert explain(TypeError("a bug in miles")) == (None, "")  # a bug keeps its traceback
