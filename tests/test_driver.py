@@ -1,5 +1,6 @@
 """The RL loop end to end on real Ray actors (tiny model, a few seconds per step)."""
 
+import errno
 import json
 import os
 import re
@@ -10,7 +11,7 @@ import pytest
 
 from miles.driver import train
 from miles.rollout.tasks import RewardError
-from miles.run_dir import RunDirError
+from miles.run_dir import RunDir, RunDirError
 from tests.conftest import tiny_run_cfg
 
 
@@ -138,3 +139,31 @@ def test_resume_false_over_a_run_with_checkpoints_is_refused_before_ray_starts_a
         train(cfg, progress=False)
     after = {p: p.read_bytes() for p in (tmp_path / "run").rglob("*") if p.is_file() and p.name != "run.lock"}
     assert after == before
+
+
+class _FullDisk:
+    """Stands in for the Ray cluster only: its trainer 'writes' a file and then meets a full disk."""
+
+    def save_checkpoint(self, run_dir, next_step):
+        def write(tmp):
+            open(os.path.join(tmp, "model.safetensors"), "wb").close()
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        return run_dir.save_checkpoint(next_step, write)
+
+
+def test_a_full_disk_at_a_checkpoint_stops_with_one_line_naming_the_checkpoint_and_what_is_kept(tmp_path):
+    from miles.cli import explain
+    from miles.driver import Bookkeeper, CheckpointError
+    from tests.test_run_dir import _a_run
+
+    run = _a_run(tmp_path / "run", steps=(2,))
+    cfg = tiny_run_cfg(tmp_path)
+    with RunDir.open(str(run.path), resume=True, config=None) as run:
+        book = Bookkeeper(cfg, run, _FullDisk())
+        with pytest.raises(CheckpointError) as e:
+            book.checkpoint(4, reason="periodic")
+    code, line = explain(e.value)
+    assert code == 1 and "\n" not in line
+    assert re.search(r"step_000004 could not be written \(OSError: \[Errno 28\] No space left on device\)", line)
+    assert "RL steps before 2 are saved in" in line and sorted(os.listdir(run.ckpt_root)) == ["step_000002"]
