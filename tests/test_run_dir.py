@@ -136,3 +136,13 @@ def test_a_fresh_start_in_a_run_without_checkpoints_clears_its_logs_only(tmp_pat
 
 def test_overwrite_is_a_config_field_that_defaults_to_false():
     assert quickstart().overwrite is False and apply_overrides(quickstart(), ["overwrite=true"]).overwrite is True
+
+
+@pytest.mark.parametrize("text", ["garbage{", "[1, 2]", '{"recipe": "x"}'], ids=["not-json", "a-list", "not-a-run"])
+def test_a_config_json_that_miles_did_not_write_is_no_run_so_it_is_refused_and_kept(tmp_path, text):
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(RunDirError, match=r"holds no miles run .*it has config.json"):
+        RunDir.open(str(tmp_path), resume=True, config=_config())
+    with pytest.raises(RunDirError, match=r"has \['config.json'\], which a run would write over"):
+        RunDir.open(str(tmp_path), resume=True, overwrite=True, config=_config())
+    assert (tmp_path / "config.json").read_text() == text and os.listdir(tmp_path) == ["config.json"]
