@@ -442,6 +442,9 @@ def _row(
 
 
 # ---- API ------------------------------------------------------------------------------------------------------
+MAX_PLAN_STEPS = 100  # replayed RL steps at most: the peaks repeat from step 2 on, the rows grow without bound
+
+
 def plan(
     cfg: RunConfig,
     hardware: str | HardwareProfile | None = None,
@@ -451,6 +454,11 @@ def plan(
     host_allocator: str = "arena",
 ) -> PlanReport:
     """Predict every executed step's bytes and the peaks of ``cfg`` on ``hardware`` (default cfg.handoff.hardware)."""
+    if not 0 <= num_steps <= MAX_PLAN_STEPS:
+        raise ValueError(
+            f"plan num_steps (miles plan --steps) = {num_steps} must be in [0, {MAX_PLAN_STEPS}]; every RL step repeats the same "
+            "moves, so the default 2 already shows the steady-state peaks"
+        )
     if host_allocator not in HOST_ALLOCATORS:
         raise ValueError(
             f"host_allocator = {host_allocator!r} is not one of {HOST_ALLOCATORS}: 'arena' (exact, freed at "

@@ -127,3 +127,9 @@ def test_the_embedded_engines_cuda_graph_tag_is_planned_on_a_gpu_and_empty_on_th
     assert all(n % (2 << 20) == 0 for n in pool_bytes(m, rows)) and ("engine", "cuda_graph") not in cpu.sizes.tags
     offload = next(s for s in gpu.steps if s.phase == "rollout_to_train" and "cuda_graph" in s.moved)
     assert offload.moved["cuda_graph"] == graphs.bytes  # released with the KV cache at every handoff
+
+
+@pytest.mark.parametrize("steps", ["1000000", "-1"])
+def test_plan_step_counts_outside_the_bound_are_refused_before_any_replay(steps):
+    with pytest.raises(ValueError, match=rf"\(miles plan --steps\) = {steps} must be in \[0, 100\]; .* the default 2"):
+        main(["--recipe", "gb300_kimi_k2_plan", "--steps", steps])
