@@ -129,7 +129,7 @@ def test_the_embedded_engines_cuda_graph_tag_is_planned_on_a_gpu_and_empty_on_th
     assert offload.moved["cuda_graph"] == graphs.bytes  # released with the KV cache at every handoff
 
 
-@pytest.mark.parametrize("steps", ["1000000", "-1"])
+@pytest.mark.parametrize("steps", [1000000, -1])
 def test_plan_step_counts_outside_the_bound_are_refused_before_any_replay(steps):
     with pytest.raises(ValueError, match=rf"\(miles plan --steps\) = {steps} must be in \[0, 100\]; .* the default 2"):
-        main(["--recipe", "gb300_kimi_k2_plan", "--steps", steps])
+        plan(get_recipe("gb300_kimi_k2_plan"), "gb300", num_steps=steps)  # the API; the CLI's argparse bounds too
