@@ -69,7 +69,8 @@ def test_fused_decode_step_matches_the_reference_step_in_bf16():
     ref = decode_step(model, caches[0], rope, tok, lens, torch.empty(37, 1000, device="cuda", dtype=torch.bfloat16))
     out = decode_step_fused(model, fuse_projections(model), caches[1], rope, tok, lens, torch.empty_like(ref))
     assert ((out.float() - ref.float()).norm() / ref.float().norm()).item() < 1e-2
-    assert torch.equal(caches[0].v[1], caches[1].v[1])
+    for a, b in zip(caches[0].tensors(), caches[1].tensors()):  # K/V at each row's position, within bf16 rounding
+        assert ((a.float() - b.float()).norm() / a.float().norm()).item() < 1e-2
 
 
 def test_graphed_greedy_decoding_equals_the_argmax_of_a_full_forward_with_more_requests_than_slots():
