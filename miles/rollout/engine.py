@@ -80,7 +80,7 @@ class EmbeddedEngine(UpdateCalls):
         ledger: MemoryLedger | None = None,
         owner: str = "engine/0",
         weights_policy: str = "discard",
-        logprob_chunk_size: int = 1024,
+        logprob_chunk_size: int = 1024,  # kept for callers; the fused sampler needs no chunking
     ):
         self.cfg, self.device = model_cfg, torch.device(device)
         self.max_batch_size = max_batch_size

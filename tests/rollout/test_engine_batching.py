@@ -189,3 +189,22 @@ def test_greedy_decoding_of_other_families_equals_the_full_forward(tiny_model_cf
     engine = EmbeddedEngine(cfg, max_batch_size=2, max_seq_len=32, seed=0)
     outs = engine.generate([_req(str(i), [3, 5 + i, 8], max_new_tokens=8, temperature=0) for i in range(3)])
     assert [o.output_ids for o in outs] == [_greedy_by_full_forward(engine.model, [3, 5 + i, 8], 8) for i in range(3)]
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None or os.environ.get("TRITON_INTERPRET") != "1",
+    reason="the Triton kernels run on CPU only under TRITON_INTERPRET=1 (and on the GPU in test_engine_gpu)",
+)
+def test_the_fused_engine_path_decodes_greedily_and_follows_weight_updates_in_the_interpreter(engine):
+    from miles.rollout.forward import fuse_projections
+
+    engine.fused = fuse_projections(engine.model)  # what a CUDA engine does at construction
+    reqs = [_req(str(i), [3, 5 + i, 8], max_new_tokens=6 + i, temperature=0) for i in range(5)]
+    for version in (0, 1):
+        if version:
+            new = {k: v + 0.3 * torch.randn_like(v) for k, v in engine.named_weights().items()}
+            engine.update_weights_from_tensor(new.items(), version=1)
+            assert torch.equal(engine.fused.qkv[0][:32], new["model.layers.0.self_attn.q_proj.weight"])
+        outs = engine.generate(reqs)
+        for r, o in zip(reqs, outs):
+            assert o.output_ids == _greedy_by_full_forward(engine.model, r.input_ids, r.sampling.max_new_tokens)
