@@ -24,7 +24,7 @@ from miles.agents.rollout import AgentRollout
 from miles.agents.session_server import SessionServer, create_app
 from miles.config import RunConfig
 from miles.rollout.engine import EmbeddedEngine
-from miles.rollout.sample import Sample
+from miles.samples import Sample
 
 log = logging.getLogger("miles.agents")
 
@@ -142,7 +142,7 @@ def generate_batches(manager, step: int):
     import torch
 
     from miles.policy.advantages import compute_advantages
-    from miles.train.batch import collate, shard
+    from miles.samples import collate, shard
 
     t0 = time.perf_counter()
     gen = manager.__dict__.get("agent_generator")

@@ -21,7 +21,7 @@ import torch
 
 from miles.config import TrainerConfig
 from miles.model.config import ModelConfig
-from miles.train.batch import TrainBatch
+from miles.samples import TrainBatch
 
 
 def _parse(argv: list[str], cuda: bool) -> argparse.Namespace:

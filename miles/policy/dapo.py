@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from miles.rollout.sample import Sample
+    from miles.samples import Sample
 
 
 def overlong_penalty(response_len: int, max_len: int, buffer_len: int, factor: float = 1.0) -> float:

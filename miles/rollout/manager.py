@@ -16,11 +16,10 @@ from miles.model.tokenizer import load_tokenizer
 from miles.policy.advantages import compute_advantages
 from miles.policy.dapo import fill_groups, round_key, shape_overlong
 from miles.rollout.engine import EmbeddedEngine, GenerateRequest, SamplingParams
-from miles.rollout.sample import Sample
 from miles.rollout.tasks import Task
+from miles.samples import Sample, TrainBatch, collate, shard
 from miles.sync.receiver import UpdateCalls
 from miles.threads import init_on_compute_thread, on_compute_thread
-from miles.train.batch import TrainBatch, collate, shard
 
 LEVEL_TAGS = {"kv_cache": ("kv_cache", "cuda_graph"), "weight": ("weights",)}
 

@@ -24,7 +24,7 @@ from miles.policy.logprob import log_probs_and_entropy
 from miles.policy.loss import masked_mean, policy_loss
 from miles.policy.rollout_correction import correction_weights, mismatch_metrics
 from miles.policy.schedule import lr_at
-from miles.train.batch import TrainBatch
+from miles.samples import TrainBatch
 
 TRAIN_TAGS = ("params", "grads", "optimizer", "quant_workspace")
 

@@ -8,7 +8,7 @@ import torch
 from miles.policy.dapo import fill_groups, overlong_penalty, uniform_groups
 from miles.policy.rollout_correction import correction_weights, mismatch_metrics
 from miles.policy.schedule import lr_at
-from miles.rollout.sample import Sample
+from miles.samples import Sample
 
 
 def test_mismatch_metrics_are_the_mean_abs_difference_and_the_k3_kl():

@@ -19,7 +19,7 @@ from miles.config import TrainerConfig
 from miles.model.config import ModelConfig
 from miles.policy.logprob import log_probs_and_entropy
 from miles.policy.loss import masked_mean
-from miles.train.batch import TrainBatch
+from miles.samples import TrainBatch
 
 pytestmark = [
     pytest.mark.gpu,

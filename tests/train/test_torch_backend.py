@@ -4,8 +4,7 @@ import pytest
 import torch
 
 from miles.config import TrainerConfig
-from miles.rollout.sample import Sample
-from miles.train.batch import collate
+from miles.samples import Sample, collate
 from miles.train.torch_backend import TorchBackend
 
 
