@@ -16,11 +16,7 @@ from math import comb
 from miles.data.dataset import PromptRow, check_no_overlap, load_split
 from miles.data.source import PromptRenderer, Verifiers, complete, max_prompt_tokens
 from miles.rollout.engine import SamplingParams
-
-try:
-    from miles.samples import Sample
-except ImportError:  # before the samples module moved
-    from miles.rollout.sample import Sample
+from miles.samples import Sample
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

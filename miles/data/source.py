@@ -20,11 +20,7 @@ from miles.data.dataset import BadRowError, PromptDataset, PromptRow, load_split
 from miles.data.verify import REWARDS
 from miles.rollout.engine import GenerateRequest, SamplingParams
 from miles.rollout.tasks import RewardError
-
-try:
-    from miles.samples import Sample
-except ImportError:  # before the samples module moved
-    from miles.rollout.sample import Sample
+from miles.samples import Sample
 
 log = logging.getLogger("miles")
 

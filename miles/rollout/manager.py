@@ -1,7 +1,8 @@
-"""RolloutManager: prompts -> engine completions -> rewards -> group advantages -> per-rank train batches.
+"""RolloutManager: a sample source's samples -> rewards -> group advantages -> metrics -> per-rank train batches.
 
-It owns the engines (embedded in-process, or reached over HTTP), the task and the tokenizer, and exposes
-the engines' memory controls to the handoff plan. It runs as a Ray actor in a run, or in-process in tests.
+It owns the engines (embedded in-process, or reached over HTTP), the sample source (a task's prompts or agent
+episodes, miles.rollout.sources) and the tokenizer, and exposes the engines' memory controls to the handoff plan.
+It runs as a Ray actor in a run, or in-process in tests.
 """
 
 from __future__ import annotations
@@ -10,14 +11,15 @@ import time
 
 import torch
 
+from miles.agents.source import AgentSource
 from miles.config import RunConfig
 from miles.memory import MemoryLedger
 from miles.model.tokenizer import load_tokenizer
-from miles.policy.advantages import compute_advantages
-from miles.policy.dapo import fill_groups, round_key, shape_overlong
-from miles.rollout.engine import EmbeddedEngine, GenerateRequest, SamplingParams
-from miles.rollout.tasks import Task
-from miles.samples import Sample, TrainBatch, collate, shard
+from miles.policy.dapo import fill_groups, round_key
+from miles.rollout.engine import EmbeddedEngine
+from miles.rollout.sources import SampleSource, TaskSource
+from miles.rollout.tail import RoundLog, assign_advantages, rollout_metrics, shape_overlong_of, to_shards
+from miles.samples import Sample, TrainBatch
 from miles.sync.receiver import UpdateCalls
 from miles.threads import init_on_compute_thread, on_compute_thread
 
@@ -37,7 +39,6 @@ class RolloutManager(UpdateCalls):
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
         self.tokenizer = load_tokenizer(cfg.model.tokenizer)
-        self.task = Task(cfg.task, cfg.seed)
         self.ledger = MemoryLedger()
         r = cfg.rollout
         policy = "host" if cfg.handoff.engine_host_mirror else "discard"
@@ -60,106 +61,43 @@ class RolloutManager(UpdateCalls):
                 )
                 for i in range(r.num_engines)
             ]
+        self.tasks = TaskSource(cfg, self.tokenizer, self.engines)  # also the reference answers for SFT warm-up
+        self.source: SampleSource = (
+            AgentSource(cfg, self.engines, self.tokenizer) if cfg.task.name == "swe" else self.tasks
+        )
         self.last_samples: list[Sample] = []
 
     # ---- rollout ------------------------------------------------------------------------------------------
-    def make_samples(self, step: int, *, with_targets: bool = False) -> list[Sample]:
-        """The step's prompts, each repeated n_samples_per_prompt times; with targets, all distinct (for SFT)."""
-        r = self.cfg.rollout
-        num_prompts, repeat = r.num_prompts_per_step, r.n_samples_per_prompt
-        if with_targets:
-            num_prompts, repeat = num_prompts * repeat, 1
-        samples = []
-        for g, prob in enumerate(self.task.problems(step, num_prompts)):
-            ids = (
-                self.tokenizer.apply_chat_template([{"role": "user", "content": prob.prompt}])
-                if prob.chat
-                else self.tokenizer.encode(prob.prompt, add_bos=True)
-            )
-            for _ in range(repeat):
-                s = Sample(index=len(samples), group=g, prompt=prob.prompt, target=prob.target, prompt_ids=list(ids))
-                if with_targets:
-                    s.response_ids = self.tokenizer.encode(prob.target) + [self.tokenizer.stop_token_ids[0]]
-                samples.append(s)
-        return samples
-
     @on_compute_thread
     def generate(self, step: int) -> tuple[list[TrainBatch], dict]:
-        if (
-            self.cfg.task.name == "swe"
-        ):  # agent episodes: these engines behind session servers, a harness (miles.agents)
-            from miles.agents.generator import generate_batches
-
-            return generate_batches(self, step)
+        """source -> score -> advantages -> metrics -> one TrainBatch per data-parallel rank (miles.rollout.tail).
+        With DAPO's dynamic sampling, rounds of fresh prompts are drawn until enough groups carry signal."""
         t0 = time.perf_counter()
         r = self.cfg.rollout
-        rounds: dict = {"time/generate": 0.0, "cut": []}
+        rounds = RoundLog()
+        draw = lambda k: self._scored_round(round_key(step, k), rounds)  # noqa: E731
         if r.dynamic_sampling:  # DAPO: groups with equal rewards dropped, refilled from more prompts (bounded)
-            draw = lambda k: self._scored_round(round_key(step, k), rounds)  # noqa: E731
             samples, extra = fill_groups(draw, r.num_prompts_per_step, r.dynamic_sampling_max_rounds)
         else:
-            samples, extra = self._scored_round(step, rounds), {}
-        t_gen = rounds["time/generate"]
-        extra["overlong_frac"] = sum(rounds["cut"]) / len(rounds["cut"])  # responses cut at max_new_tokens
-        for s, a in zip(
-            samples,
-            compute_advantages([s.reward for s in samples], [s.group for s in samples], r.advantage_estimator),
-        ):
-            s.advantage = a
+            samples, extra = draw(0), {}
+        assign_advantages(samples, r.advantage_estimator)
         self.last_samples = samples
-        rewards = torch.tensor([s.reward for s in samples])
-        resp_len = sum(len(s.response_ids) for s in samples)
-        metrics = {
-            "reward": rewards.mean().item(),
-            "reward_std": rewards.std().item() if len(samples) > 1 else 0.0,
-            "exact": sum(s.reward == 1.0 for s in samples) / len(samples),
-            "response_len": resp_len / len(samples),
-            "rollout_tokens": resp_len,
-            "total_tokens": resp_len + sum(len(s.prompt_ids) for s in samples),
-            "time/generate": t_gen,
-            "time/rollout": time.perf_counter() - t0,
-            "weight_version": samples[0].weight_version,
-            **extra,
-        }
-        pad = self.tokenizer.pad_token_id
-        return [collate(part, pad) for part in shard(samples, self.cfg.trainer.world_size)], metrics
+        metrics = rollout_metrics(samples) | rounds.metrics() | extra
+        metrics |= {"time/rollout": time.perf_counter() - t0, "weight_version": samples[0].weight_version}
+        return to_shards(samples, self.tokenizer.pad_token_id, self.cfg.trainer.world_size), metrics
 
-    def _scored_round(self, key: int, rounds: dict) -> list[Sample]:
-        """The prompts of ``key`` (a step, or a refill round of one), completed by the engines and scored, with
-        DAPO's overlong shaping applied when configured; generation time and the cut fraction go into ``rounds``."""
-        t0 = time.perf_counter()
-        r = self.cfg.rollout
-        samples = self.make_samples(key)
-        sp = SamplingParams(
-            max_new_tokens=r.max_new_tokens,
-            temperature=r.temperature,
-            top_p=r.top_p,
-            stop_token_ids=self.tokenizer.stop_token_ids,
-        )
-        reqs = [GenerateRequest(rid=f"{key}-{s.index}", input_ids=s.prompt_ids, sampling=sp) for s in samples]
-        outs = []
-        per_engine = -(-len(reqs) // len(self.engines))
-        for i, engine in enumerate(self.engines):
-            outs += engine.generate(reqs[i * per_engine : (i + 1) * per_engine], seed=self.cfg.seed * 100_003 + key)
-        rounds["time/generate"] += time.perf_counter() - t0
-        stop = set(self.tokenizer.stop_token_ids)
-        for s, o in zip(samples, outs):
-            s.response_ids, s.rollout_log_probs = o.output_ids, o.output_log_probs
-            s.finish_reason, s.weight_version = o.finish_reason, o.weight_version
-            s.response_text = self.tokenizer.decode([t for t in o.output_ids if t not in stop])
-            s.reward = self.task.score(s.prompt, s.response_text, s.target)
-        rounds["cut"].append(
-            shape_overlong(
-                samples, r.max_new_tokens, r.overlong_buffer_len, r.overlong_penalty_factor, r.overlong_filter
-            )
-        )
+    def _scored_round(self, key: int, rounds: RoundLog) -> list[Sample]:
+        """The source's samples of ``key`` (a step, or a refill round of one), scored and overlong-shaped."""
+        samples, source_metrics = self.source.samples(key)
+        self.source.score(samples)
+        rounds.add(source_metrics, shape_overlong_of(samples, self.cfg.rollout))
         return samples
 
     @on_compute_thread
     def sft_batches(self, step: int) -> list[TrainBatch]:
         """Reference answers as train batches (for a supervised warm-up), one per rank."""
-        samples = self.make_samples(10_000_000 + step, with_targets=True)
-        return [collate(part, self.tokenizer.pad_token_id) for part in shard(samples, self.cfg.trainer.world_size)]
+        samples = self.tasks.prompts(10_000_000 + step, with_targets=True)
+        return to_shards(samples, self.tokenizer.pad_token_id, self.cfg.trainer.world_size)
 
     def sample_rows(self, train_log_probs: dict[int, list[float]] | None = None) -> list[dict]:
         """The last step's samples as plain dicts (dumps, dashboards, notebooks)."""
@@ -302,6 +240,10 @@ class RolloutManager(UpdateCalls):
 
     def weight_versions(self) -> list[int]:
         return [e.weight_version for e in self.engines]
+
+    def close(self) -> None:
+        """Stop what the sample source started (an agent source's servers and harness)."""
+        self.source.close()
 
     def drain_ledger(self):
         for i, _ in enumerate(self.engines):

@@ -6,7 +6,6 @@ import math
 
 import pytest
 
-from miles.agents.generator import generate_batches
 from miles.agents.launcher import free_port_range
 from miles.config import apply_overrides
 from miles.recipes import get_recipe
@@ -34,9 +33,9 @@ def test_agent_swe_recipe_rolls_out_flushes_both_instances_and_trains_one_step(t
     )
     manager = RolloutManager(cfg, "cpu")
     try:
-        batches, metrics = generate_batches(manager, step=0)
+        batches, metrics = manager.generate(step=0)
     finally:
-        manager.agent_generator.close()
+        manager.close()
     [batch] = batches
     assert batch.tokens.shape[0] == 4 and metrics["agent/groups_kept"] == 2 and metrics["flush/instances"] == 2
     assert metrics[f"flush/agent-{base}/ok"] == 1.0 and metrics[f"flush/agent-{base + 1}/ok"] == 1.0

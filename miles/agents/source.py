@@ -1,13 +1,17 @@
-"""Agent episodes as an RL step's samples: the RolloutManager's engines served as session-server instances.
+"""Agent episodes as an RL step's samples (a SampleSource): the RolloutManager's engines served as session-server
+instances.
 
 Inside a run the engines live in the RolloutManager (they receive the weight syncs), so each session-server
 instance runs as a server thread of that process, one per port of ``agents.session_ports``, over an engine of
 the manager; the harness is a separate process (or ``agents.harness_url``). Each kept episode becomes one
 Sample: the session's exact tokens, the engine's log-probs, and the per-token mask of what the policy wrote.
 
-    gen = AgentGenerator(cfg, engines, tokenizer)       # starts the instances and the harness
-    samples, metrics, episodes = gen.generate(step)
-    gen.close()
+    source = AgentSource(cfg, engines, tokenizer)
+    samples, metrics = source.samples(step)   # the first call starts the instances and the harness
+    source.score(samples)                     # the harness's rewards are already on the samples
+    source.close()
+
+Per-episode rows go to <run_dir>/agent_episodes.jsonl.
 """
 
 from __future__ import annotations
@@ -15,7 +19,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import time
 from pathlib import Path
 
 from miles.agents.launcher import AgentProcesses, ThreadServer, free_port_range
@@ -29,18 +32,24 @@ from miles.samples import Sample
 log = logging.getLogger("miles.agents")
 
 
-class AgentGenerator:
+class AgentSource:
+    """Agent episodes as samples; the session servers and the harness start on the first ``samples`` call."""
+
     def __init__(self, cfg: RunConfig, engines: list, tokenizer):
-        self.cfg, self.tok = cfg, tokenizer
-        a, r = cfg.agents, cfg.rollout
-        if not a.instances:
-            raise ValueError("task.name = 'swe' needs agents.session_ports, e.g. agents.session_ports=8100-8101")
-        self.policies = [policy_for(engines[i % len(engines)]) for i in range(len(a.instances))]
+        self.cfg, self.engines, self.tok = cfg, engines, tokenizer
+        self.policies: list = []
         self.servers: list[ThreadServer] = []
         self.harness: AgentProcesses | None = None
+        self.rollout: AgentRollout | None = None
+
+    def _start(self) -> None:
+        a, r = self.cfg.agents, self.cfg.rollout
+        if not a.instances:
+            raise ValueError("task.name = 'swe' needs agents.session_ports, e.g. agents.session_ports=8100-8101")
+        self.policies = [policy_for(self.engines[i % len(self.engines)]) for i in range(len(a.instances))]
         try:
             for (port, iid), policy in zip(a.instances.items(), self.policies):
-                app = create_app(SessionServer(policy, tokenizer, instance_id=iid))
+                app = create_app(SessionServer(policy, self.tok, instance_id=iid))
                 self.servers.append(ThreadServer(app, port=port, host=a.session_host).start())
             url = a.harness_url
             if not url:
@@ -52,13 +61,15 @@ class AgentGenerator:
                 num_groups=r.num_prompts_per_step,
                 group_size=r.n_samples_per_prompt,
                 temperature=r.temperature,
-                seed=cfg.seed,
+                seed=self.cfg.seed,
             )
         except BaseException:
             self.close()
             raise
 
-    def generate(self, step: int) -> tuple[list[Sample], dict, list[dict]]:
+    def samples(self, step: int) -> tuple[list[Sample], dict[str, float]]:
+        if self.rollout is None:
+            self._start()
         out = self.rollout.collect(step)
         samples = [
             episode_sample(res, len(group) * g + i, g, self.tok)
@@ -72,7 +83,11 @@ class AgentGenerator:
             )
         numeric = {k: v for k, v in out.metrics.items() if isinstance(v, (int, float))}
         numeric |= {f"flush/{f.instance_id}/ok": float(f.ok) for f in out.flush}
-        return samples, numeric, [{"step": step, **e} for e in out.episodes]
+        _append_jsonl(Path(self.cfg.run_dir) / "agent_episodes.jsonl", [{"step": step, **e} for e in out.episodes])
+        return samples, numeric | {"time/generate": numeric["time/agent_rollout"]}
+
+    def score(self, samples: list[Sample]) -> None:
+        """Nothing to do: the harness judged each episode, and its reward came with the sample."""
 
     def close(self) -> None:
         for s in self.servers:
@@ -134,44 +149,6 @@ def episode_sample(res: dict, index: int, group: int, tok) -> Sample:
             "instance_id": res.get("instance_id", ""),
         },
     )
-
-
-def generate_batches(manager, step: int):
-    """RolloutManager.generate for task.name = 'swe': (per-rank TrainBatches, metrics). Keeps its generator on
-    the manager; writes per-episode rows to <run_dir>/agent_episodes.jsonl."""
-    import torch
-
-    from miles.policy.advantages import compute_advantages
-    from miles.samples import collate, shard
-
-    t0 = time.perf_counter()
-    gen = manager.__dict__.get("agent_generator")
-    if gen is None:
-        gen = manager.agent_generator = AgentGenerator(manager.cfg, manager.engines, manager.tokenizer)
-    samples, metrics, episodes = gen.generate(step)
-    r = manager.cfg.rollout
-    for s, adv in zip(
-        samples,
-        compute_advantages([s.reward for s in samples], [s.group for s in samples], r.advantage_estimator),
-    ):
-        s.advantage = adv
-    manager.last_samples = samples
-    _append_jsonl(Path(manager.cfg.run_dir) / "agent_episodes.jsonl", episodes)
-    rewards = torch.tensor([s.reward for s in samples])
-    resp = sum(len(s.response_ids) for s in samples)
-    metrics |= {
-        "reward": rewards.mean().item(),
-        "reward_std": rewards.std().item() if len(samples) > 1 else 0.0,
-        "exact": float((rewards == 1).float().mean()),
-        "response_len": resp / len(samples),
-        "rollout_tokens": resp,
-        "total_tokens": resp + sum(len(s.prompt_ids) for s in samples),
-        "time/generate": metrics["time/agent_rollout"],
-        "time/rollout": time.perf_counter() - t0,
-        "weight_version": samples[0].weight_version,
-    }
-    pad = manager.tokenizer.pad_token_id
-    return [collate(part, pad) for part in shard(samples, manager.cfg.trainer.world_size)], metrics
 
 
 def _append_jsonl(path: Path, rows: list[dict]) -> None:
