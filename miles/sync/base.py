@@ -18,6 +18,8 @@ from typing import Any, Callable, Protocol
 
 import torch
 
+from miles.rollout.api import Transactional, TwoCallUpdate, supports
+
 log = logging.getLogger(__name__)
 
 ALIGN = 256  # byte alignment of every piece inside a bucket (a multiple of every element size)
@@ -298,8 +300,8 @@ class BucketSync:
 
     def connect(self, engines: list[Any]) -> None:
         self.engines = list(engines)
-        self._transactional = [hasattr(e, "begin_weight_update") for e in self.engines]
-        self._two_calls = [hasattr(e, "open_weight_update") for e in self.engines]  # miles.sync.receiver.UpdateCalls
+        self._transactional = [supports(e, Transactional) for e in self.engines]
+        self._two_calls = [supports(e, TwoCallUpdate) for e in self.engines]  # miles.sync.receiver.UpdateCalls
         for e, ok in zip(self.engines, self._transactional):
             if not ok:
                 log.warning(

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from miles.rollout.api import ReceivesInPlace, supports
 from miles.sync.base import SyncError, WeightManifest, byte_view, fused_group, submit, wait
 from miles.sync.doorbell import Doorbell, DoorbellClient, DoorbellError
 
@@ -125,7 +126,7 @@ class InPlaceSync:
         self._metrics: dict[str, float] = {}
 
     def connect(self, engines: list) -> None:
-        missing = [e for e in engines if not hasattr(e, "update_weights_in_place")]
+        missing = [e for e in engines if not supports(e, ReceivesInPlace)]
         if missing:
             raise ValueError(
                 f"sync.source=in_place needs engines with update_weights_in_place (the embedded engine, the "

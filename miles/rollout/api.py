@@ -1,0 +1,149 @@
+"""The engine surface, declared once: what every rollout engine has (``Engine``) and the optional capabilities a
+weight sync looks for (``Transactional``, ``TwoCallUpdate``, ``ReceivesBroadcast``, ``ReceivesRDT``,
+``ReceivesInPlace``, ``ReceivesInProcess``).
+
+Engines: ``EmbeddedEngine`` (in-process), ``SGLangClient`` (one HTTP server), ``Router`` (several), and the
+``RolloutManager``, which applies each weight and memory call to every engine it drives. A transport checks a
+capability once, when it connects, with ``supports``, which treats an in-process engine and a Ray actor handle
+alike:
+
+    if supports(engine, Transactional): ...   # begin/abort around the buckets, else a warning at connect
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+
+@runtime_checkable
+class Engine(Protocol):
+    def generate(self, requests: list[Any], *, seed: int | None = None) -> list[Any]:
+        """One GenerateOutput per GenerateRequest (miles.rollout.engine), in order, sampled per its SamplingParams."""
+        ...
+
+    def abort(self, rids: Iterable[str] | str = "all") -> None:
+        """End the named requests (or all) now; each returns what it has with finish_reason 'abort'."""
+        ...
+
+    def pause_generation(self, mode: str = "in_place") -> None:
+        """Hold generation between forward steps (requests keep their state) until continue_generation."""
+        ...
+
+    def continue_generation(self) -> None:
+        """Resume what pause_generation held."""
+        ...
+
+    def flush_cache(self) -> None:
+        """Drop cached prefixes (their keys and values belong to the weights about to be replaced)."""
+        ...
+
+    def release_memory(self, tags: Iterable[str]) -> int:
+        """Free the tagged memory ('weights', 'kv_cache', 'cuda_graph'); returns the bytes freed."""
+        ...
+
+    def resume_memory(self, tags: Iterable[str]) -> int:
+        """Allocate (and for weights, restore) the tagged memory again; returns the bytes allocated."""
+        ...
+
+    def update_weights_from_tensor(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None
+    ) -> None:
+        """Copy the named tensors into the weights (all validated before any is written)."""
+        ...
+
+    def update_weights_from_bucket(self, handle, version: int | None = None) -> None:
+        """Apply a flat bucket sent by handle (shared memory or CUDA IPC, miles.sync.flat_bucket)."""
+        ...
+
+    def update_weights_from_disk(self, path: str, version: int | None = None) -> None:
+        """Load a safetensors file or a disk-delta version (miles.sync.disk_delta)."""
+        ...
+
+    def set_weight_version(self, version: int) -> None:
+        """Set the weight version (commits an update opened by begin_weight_update)."""
+        ...
+
+    def named_weights(self) -> dict[str, torch.Tensor]:
+        """The engine's weights by Hugging Face name (for bit-equality checks)."""
+        ...
+
+
+@runtime_checkable
+class Transactional(Protocol):
+    """Weight updates as transactions: a failure between begin and commit keeps the previous version."""
+
+    def begin_weight_update(self, manifest) -> None:
+        """Open an update for the manifest's tensors (miles.sync.base.WeightManifest), validated whole first."""
+        ...
+
+    def abort_weight_update(self) -> None:
+        """Drop the open update; the weights stay as they were."""
+        ...
+
+
+@runtime_checkable
+class TwoCallUpdate(Protocol):
+    """The steps around a bucketed update's buckets in two calls instead of five (miles.sync.receiver.UpdateCalls)."""
+
+    def open_weight_update(self, manifest) -> None:
+        """pause_generation, flush_cache, begin_weight_update."""
+        ...
+
+    def commit_weight_update(self, version: int) -> None:
+        """set_weight_version, then continue_generation."""
+        ...
+
+
+@runtime_checkable
+class ReceivesBroadcast(Protocol):
+    """A member of a private torch.distributed group that receives buckets by broadcast (miles.sync.broadcast)."""
+
+    def init_weights_update_group(
+        self, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str, backend: str
+    ) -> None:
+        """Join the group as rank ``rank_offset`` (blocks until every rank has joined)."""
+        ...
+
+    def update_weights_from_distributed(self, names, dtypes, shapes, group_name: str, version: int | None = None):
+        """Receive one flat bucket broadcast by rank 0 of the group."""
+        ...
+
+    def destroy_weights_update_group(self, group_name: str) -> None:
+        """Leave the group."""
+        ...
+
+
+@runtime_checkable
+class ReceivesRDT(Protocol):
+    def update_weights_from_rdt(self, tensors, pieces, version: int | None = None) -> None:
+        """One Ray Direct Transport round: a flat uint8 bucket Ray moved device to device (miles.sync.rdt)."""
+        ...
+
+
+@runtime_checkable
+class ReceivesInPlace(Protocol):
+    def update_weights_in_place(self, shared, version: int) -> dict[str, float]:
+        """One whole update read from the trainer's own tensors through opened handles (miles.sync.in_place)."""
+        ...
+
+
+@runtime_checkable
+class ReceivesInProcess(Protocol):
+    def weight_receiver(self):
+        """The engine's WeightReceiver (miles.sync.receiver): a transfer made once in this process lands there."""
+        ...
+
+
+def supports(engine: Any, capability: type) -> bool:
+    """Whether ``engine`` (an in-process object or a Ray actor handle) has every method of ``capability``.
+
+    A Ray actor handle exposes its class's methods as attributes, so the same attribute check serves both;
+    ``isinstance`` with a runtime-checkable Protocol is this check for in-process objects."""
+    return all(hasattr(engine, name) for name in _members(capability))
+
+
+def _members(capability: type) -> list[str]:
+    return [n for n in vars(capability) if not n.startswith("_") and callable(vars(capability)[n])]
