@@ -16,6 +16,7 @@ from miles.config import RunConfig
 from miles.memory import MemoryLedger
 from miles.model.tokenizer import load_tokenizer
 from miles.policy.dapo import fill_groups, round_key
+from miles.rollout.api import ReceivesInProcess, supports
 from miles.rollout.engine import EmbeddedEngine
 from miles.rollout.sources import SampleSource, TaskSource
 from miles.rollout.tail import RoundLog, assign_advantages, rollout_metrics, shape_overlong_of, to_shards
@@ -154,39 +155,8 @@ class RolloutManager(UpdateCalls):
             return ["cuda_graph"] + (["kv_cache"] if "kv_cache" in self.cfg.handoff.offload_rollout_level else [])
         return ["weights"] if level in self.cfg.handoff.offload_rollout_level else []
 
-    def pause_generation(self, mode: str = "in_place") -> None:
-        for e in self.engines:
-            e.pause_generation(mode)
-
-    def continue_generation(self) -> None:
-        for e in self.engines:
-            e.continue_generation()
-
-    def flush_cache(self) -> None:
-        for e in self.engines:
-            e.flush_cache()
-
-    def update_weights_from_disk(self, path: str, version=None) -> None:
-        for e in self.engines:
-            e.update_weights_from_disk(path, version)
-
-    def update_weights_from_bucket(self, handle, version=None) -> None:
-        for e in self.engines:
-            e.update_weights_from_bucket(handle, version)
-
-    def set_weight_version(self, version: int) -> None:
-        for e in self.engines:
-            e.set_weight_version(version)
-
     # ---- weight sync receive side (miles.sync.receiver): one transfer per process, applied to every engine ----
-    def begin_weight_update(self, manifest) -> None:
-        for e in self.engines:
-            e.begin_weight_update(manifest)
-
-    def abort_weight_update(self) -> None:
-        for e in self.engines:
-            e.abort_weight_update()
-
+    # (the calls every engine takes alike are fanned out below the class: FANNED_OUT)
     def init_weights_update_group(
         self, master_address, master_port, rank_offset, world_size, group_name, backend="gloo"
     ):
@@ -197,7 +167,7 @@ class RolloutManager(UpdateCalls):
     def update_weights_from_distributed(self, names, dtypes, shapes, group_name, version=None) -> None:
         from miles.sync.receiver import receive_broadcast
 
-        if not hasattr(self.engines[0], "weight_receiver"):  # an HTTP engine: its server process is the group member
+        if not supports(self.engines[0], ReceivesInProcess):  # an HTTP engine: its server process is the group member
             self.engines[0].update_weights_from_distributed(names, dtypes, shapes, group_name, version)
             return
         receive_broadcast(
@@ -249,3 +219,30 @@ class RolloutManager(UpdateCalls):
         for i, _ in enumerate(self.engines):
             self.ledger.sample_process(f"engine/{i}")
         return self.ledger.drain()
+
+
+# Engine calls (miles.rollout.api.Engine, Transactional) that the manager makes on every engine it drives, in order.
+FANNED_OUT = (
+    "pause_generation",
+    "continue_generation",
+    "flush_cache",
+    "update_weights_from_disk",
+    "update_weights_from_bucket",
+    "set_weight_version",
+    "begin_weight_update",
+    "abort_weight_update",
+)
+
+
+def _fan_out(name: str):
+    def each_engine(self: RolloutManager, *args, **kwargs) -> None:
+        for e in self.engines:
+            getattr(e, name)(*args, **kwargs)
+
+    each_engine.__name__, each_engine.__qualname__ = name, f"RolloutManager.{name}"
+    each_engine.__doc__ = f"``{name}`` on every engine, in order (miles.rollout.api)."
+    return each_engine
+
+
+for _name in FANNED_OUT:
+    setattr(RolloutManager, _name, _fan_out(_name))
