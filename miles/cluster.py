@@ -79,7 +79,7 @@ def _kill_ray_children() -> None:
 
 
 class Cluster:
-    """with Cluster(cfg) as c: c.rollout.generate.remote(step); c.execute(plan.init, version=0); c.trainer.call(...)"""
+    """with Cluster(cfg) as c: c.rollout.generate.remote(step); c.execute(plan.init, version=0); c.trainer.train(...)"""
 
     def __init__(self, cfg: RunConfig):
         import ray
@@ -115,7 +115,7 @@ class Cluster:
             )
             .remote(cfg, self.device)
         )
-        self.trainer.call("connect_sync", [self.rollout])
+        self.trainer.connect_sync([self.rollout])
         self.sync_metrics: dict = {}
 
     def get(self, ref):
@@ -134,11 +134,11 @@ class Cluster:
             elif s.owner == "trainer" and s.verb == "build":
                 pass  # the TrainGroup is built in __init__; building it here instead lowers the launch peak
             elif s.owner == "trainer" and s.verb == "clear_memory":
-                self.trainer.call("clear_memory")
+                self.trainer.clear_memory()
             elif s.owner == "trainer":
-                moved[key] = moved.get(key, 0) + sum(self.trainer.call(s.verb, list(s.tags)))
+                moved[key] = moved.get(key, 0) + sum(getattr(self.trainer, s.verb)(list(s.tags)))
             elif s.owner == "sync":
-                self.sync_metrics = self.trainer.call("update_weights", version)[0]
+                self.sync_metrics = self.trainer.update_weights(version)[0]
                 if self.cfg.sync.check_weights:
                     self.check_weights()
             else:
@@ -149,21 +149,21 @@ class Cluster:
         """Engine weights must equal the trainer's, bit for bit (dtype, shape and every byte), after a sync."""
         from miles.sync.check import check_weights
 
-        trainer = self.trainer.call("named_weights")[0]
+        trainer = self.trainer.named_weights()[0]
         for i in range(self.get(self.rollout.engine_count.remote())):
             check_weights(trainer, self.get(self.rollout.named_weights.remote(i)), label=f"engine {i}")
 
     def save_checkpoint(self, run_dir, next_step: int):
         tags = list(TRAIN_ALL) if self.cfg.handoff.offload_train != "none" else []
-        self.trainer.call("onload", tags)
+        self.trainer.onload(tags)
         try:
-            return run_dir.save_checkpoint(next_step, lambda d: self.trainer.call("save_checkpoint", d))
+            return run_dir.save_checkpoint(next_step, lambda d: self.trainer.save_checkpoint(d))
         finally:
-            self.trainer.call("offload", tags)
+            self.trainer.offload(tags)
 
     def drain_ledgers(self):
         events, samples = [], []
-        for e, s in self.trainer.call("drain_ledger") + [self.get(self.rollout.drain_ledger.remote())]:
+        for e, s in self.trainer.drain_ledger() + [self.get(self.rollout.drain_ledger.remote())]:
             events += e
             samples += s
         return sorted(events, key=lambda e: e.time), samples
@@ -173,7 +173,7 @@ class Cluster:
         from ray.util.placement_group import remove_placement_group
 
         try:
-            self.trainer.call("close")
+            self.trainer.close()
         finally:
             for a in self.trainer.actors + [self.rollout]:
                 ray.kill(a)

@@ -38,7 +38,7 @@ def train(cfg: RunConfig, *, progress: bool = True, stop: threading.Event | None
                     t0 = time.perf_counter()
                     batches, rollout = book.generate(step)
                     moved = c.execute(plan.rollout_to_train)
-                    results = c.trainer.call_each("train", batches, want_log_probs=cfg.dump_rollouts, step=step)
+                    results = c.trainer.train(batches, want_log_probs=cfg.dump_rollouts, step=step)
                     moved |= c.execute(plan.train_to_rollout, version=step + 1)
                     book.record(step, rollout, results, moved, time.perf_counter() - t0)
                 else:
@@ -60,10 +60,10 @@ def warmup(cfg: RunConfig, c: Cluster, book: "Bookkeeper") -> None:
     n = cfg.trainer.warmup_sft_steps
     for i in range(n):
         batches = c.get(c.rollout.sft_batches.remote(i))
-        m = c.trainer.call_each("sft", batches, lr=cfg.trainer.warmup_sft_lr)[0]
+        m = c.trainer.sft(batches, lr=cfg.trainer.warmup_sft_lr)[0]
         book.run_dir.append_metrics({"phase": "sft", "sft_step": i, **m})
     if n:
-        c.trainer.call("set_lr", cfg.trainer.lr)
+        c.trainer.set_lr(cfg.trainer.lr)
 
 
 class Bookkeeper:
@@ -85,7 +85,7 @@ class Bookkeeper:
         if found:
             next_step, path = found
             log.warning("resuming from %s (next RL step %d)", path, next_step)
-            self.c.trainer.call("load_checkpoint", str(path))
+            self.c.trainer.load_checkpoint(str(path))
             self.saved_step = next_step
         self.run_dir.begin(next_step, self.cfg.to_json(), resumed=found is not None)
         self.rows = [r for r in self.run_dir.metrics() if r.get("phase") != "sft"]

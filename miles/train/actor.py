@@ -162,7 +162,13 @@ def read_checkpoint_files(directory: str) -> dict:
 
 
 class TrainGroup:
-    """The driver's view of all train ranks: ``group.call("offload", tags)`` runs on every rank."""
+    """The driver's view of all train ranks: each method runs on every rank and returns the per-rank results.
+
+    group = TrainGroup(cfg, placement_group, num_gpus_per_actor=0)
+    group.connect_sync([rollout_manager])
+    results = group.train(batches, want_log_probs=False)   # one batch per rank -> [(metrics, log_probs)] per rank
+    group.offload(tags); group.onload(tags); metrics = group.update_weights(version)[0]
+    """
 
     def __init__(self, cfg: RunConfig, placement_group, num_gpus_per_actor: float):
         import ray
@@ -189,12 +195,56 @@ class TrainGroup:
         ]
         ray.get([a.ready.remote() for a in self.actors])
 
-    def call(self, method: str, *args, **kwargs) -> list:
+    def connect_sync(self, engines) -> list:
+        return self._all("connect_sync", engines)
+
+    def train(self, batches: list, want_log_probs: bool = False, step: int | None = None) -> list[tuple[dict, dict]]:
+        """One RL step; ``batches[r]`` goes to rank r."""
+        return self._each("train", batches, want_log_probs=want_log_probs, step=step)
+
+    def sft(self, batches: list, lr: float | None = None) -> list[dict]:
+        """One supervised step on reference answers; ``batches[r]`` goes to rank r."""
+        return self._each("sft", batches, lr=lr)
+
+    def set_lr(self, lr: float) -> list:
+        return self._all("set_lr", lr)
+
+    def offload(self, tags) -> list[int]:
+        """Bytes each rank moved off the device."""
+        return self._all("offload", tags)
+
+    def onload(self, tags) -> list[int]:
+        """Bytes each rank moved back onto the device."""
+        return self._all("onload", tags)
+
+    def clear_memory(self) -> list:
+        return self._all("clear_memory")
+
+    def update_weights(self, version: int) -> list[dict]:
+        """Send the weights to the connected engines as ``version``; each rank's sync metrics."""
+        return self._all("update_weights", version)
+
+    def named_weights(self) -> list[dict[str, torch.Tensor]]:
+        return self._all("named_weights")
+
+    def save_checkpoint(self, directory: str) -> list:
+        return self._all("save_checkpoint", directory)
+
+    def load_checkpoint(self, directory: str) -> list:
+        return self._all("load_checkpoint", directory)
+
+    def drain_ledger(self) -> list:
+        return self._all("drain_ledger")
+
+    def close(self) -> list:
+        return self._all("close")
+
+    def _all(self, method: str, *args, **kwargs) -> list:
         import ray
 
         return ray.get([getattr(a, method).remote(*args, **kwargs) for a in self.actors])
 
-    def call_each(self, method: str, per_rank_args: list, **kwargs) -> list:
+    def _each(self, method: str, per_rank_args: list, **kwargs) -> list:
         import ray
 
         return ray.get([getattr(a, method).remote(x, **kwargs) for a, x in zip(self.actors, per_rank_args)])
