@@ -103,6 +103,17 @@ def _connect_rdt_in_place(actor, engines, timeout_s: float) -> str:
 
 
 # ---- tests ------------------------------------------------------------------------------------------------
+def test_a_rollout_manager_actor_handle_shows_the_capabilities_of_the_class_and_every_fanned_out_call(actors):
+    from miles.rollout import api
+    from miles.rollout.manager import FANNED_OUT, RolloutManager
+
+    _, _, engine = actors
+    caps = [api.Transactional, api.TwoCallUpdate, api.ReceivesBroadcast, api.ReceivesRDT, api.ReceivesInPlace]
+    assert [api.supports(engine, c) for c in caps] == [api.supports(RolloutManager, c) for c in caps] == [True] * 5
+    assert not api.supports(engine, api.ReceivesInProcess)  # a handle: its engines' receivers stay in the actor
+    assert all(hasattr(engine, name) for name in FANNED_OUT)
+
+
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_every_transport_syncs_a_real_model_into_a_real_engine_in_another_process_bit_equal(actors, transport):
     ray, trainer, engine = actors

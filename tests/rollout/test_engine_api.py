@@ -1,0 +1,79 @@
+"""The declared engine surface (miles.rollout.api): which engine has which capability, and supports() as the one
+check a transport makes at connect."""
+
+import logging
+
+import pytest
+
+from miles.rollout import api
+from miles.rollout.engine import EmbeddedEngine
+from miles.rollout.manager import FANNED_OUT, RolloutManager
+from miles.rollout.router import Router
+from miles.rollout.sglang import SGLangClient
+from miles.sync.tensor import TensorSync
+
+CAPABILITIES = [
+    api.Transactional,
+    api.TwoCallUpdate,
+    api.ReceivesBroadcast,
+    api.ReceivesRDT,
+    api.ReceivesInPlace,
+    api.ReceivesInProcess,
+]
+
+
+@pytest.mark.parametrize("engine_cls", [EmbeddedEngine, SGLangClient, Router])
+def test_every_engine_class_has_every_method_of_the_engine_protocol(engine_cls):
+    assert api.supports(engine_cls, api.Engine)
+
+
+def test_the_capabilities_of_each_engine_class_are_the_ones_its_transports_rely_on():
+    has = {
+        cls.__name__: {c.__name__ for c in CAPABILITIES if api.supports(cls, c)}
+        for cls in (EmbeddedEngine, SGLangClient, Router, RolloutManager)
+    }
+    assert has["EmbeddedEngine"] == {c.__name__ for c in CAPABILITIES}
+    assert has["SGLangClient"] == {"Transactional", "ReceivesBroadcast"}
+    assert has["Router"] == {"Transactional"}
+    assert has["RolloutManager"] == has["EmbeddedEngine"] - {"ReceivesInProcess"}
+
+
+def test_supports_agrees_with_isinstance_on_in_process_objects():
+    class OnlyBegin:
+        def begin_weight_update(self, manifest): ...
+
+    class Both(OnlyBegin):
+        def abort_weight_update(self): ...
+
+    for obj in (OnlyBegin(), Both()):
+        assert api.supports(obj, api.Transactional) == isinstance(obj, api.Transactional)
+    assert not api.supports(OnlyBegin(), api.Transactional) and api.supports(Both(), api.Transactional)
+
+
+def test_a_bucket_sync_warns_once_at_connect_about_an_engine_that_is_not_transactional(caplog, tmp_path):
+    class Plain:  # can take buckets, but cannot roll a failed update back
+        def update_weights_from_bucket(self, handle, version=None): ...
+
+    from miles.config import SyncConfig
+
+    sync = TensorSync(SyncConfig(), "cpu")
+    with caplog.at_level(logging.WARNING):
+        sync.connect([Plain()])
+    assert "has no begin_weight_update" in caplog.text and sync._transactional == [False]
+
+
+def test_the_rollout_manager_fans_out_each_engine_call_to_every_engine_in_order():
+    calls = []
+
+    class Recorder:
+        def __init__(self, i):
+            self.i = i
+
+        def __getattr__(self, name):
+            return lambda *a, **k: calls.append((self.i, name, a, k))
+
+    manager = RolloutManager.__new__(RolloutManager)  # the fan-out needs only .engines
+    manager.engines = [Recorder(0), Recorder(1)]
+    for name in FANNED_OUT:
+        getattr(manager, name)("x", version=3)
+    assert calls == [(i, name, ("x",), {"version": 3}) for name in FANNED_OUT for i in (0, 1)]
