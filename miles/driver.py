@@ -11,7 +11,7 @@ import time
 from miles.checkpoints import step_dir_name
 from miles.cluster import Cluster
 from miles.config import RunConfig
-from miles.handoff import HandoffPlan
+from miles.planner import resolve_plan
 from miles.rollout.tasks import RewardError
 from miles.run_dir import RunDir
 
@@ -44,15 +44,6 @@ def train(cfg: RunConfig, *, progress: bool = True, stop: threading.Event | None
                 else:
                     book.checkpoint(cfg.num_steps, reason="end")
     return book.rows
-
-
-def resolve_plan(cfg: RunConfig) -> HandoffPlan:
-    if cfg.handoff.colocate_memory_peak_device != "auto":
-        return HandoffPlan.from_config(cfg.handoff)
-    from miles.planner import choose_mode
-
-    mode, reason = choose_mode(cfg)
-    return HandoffPlan.from_config(cfg.handoff, mode=mode, reason=reason)
 
 
 def warmup(cfg: RunConfig, c: Cluster, book: "Bookkeeper") -> None:

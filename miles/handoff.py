@@ -21,7 +21,7 @@ the tags it is expected to move; the planner prices exactly those. ``trainer.bui
 memory comes into being: the engines are built first, and in gpu mode they keep their weights resident through
 trainer init (DESIGN §2); an executor that built the trainer earlier runs it as a no-op.
 
-    plan = HandoffPlan.from_config(cfg.handoff)        # 'auto' -> miles.driver.resolve_plan / miles.planner
+    plan = HandoffPlan.from_config(cfg.handoff)        # 'auto' -> miles.planner.resolve_plan
     for step in plan.rollout_to_train: ...             # Step("engine", "offload_kv", ("cuda_graph", "kv_cache"))
 """
 
@@ -65,7 +65,7 @@ class HandoffPlan:
         if mode == "auto":
             raise ValueError(
                 "colocate_memory_peak_device = 'auto' is resolved by miles.planner.choose_mode(run_cfg); "
-                "call miles.driver.resolve_plan(run_cfg) or pass mode='cpu' / 'gpu'"
+                "call miles.planner.resolve_plan(run_cfg) or pass mode='cpu' / 'gpu'"
             )
         if mode not in MODES:
             raise ValueError(f"colocate_memory_peak_device = {mode!r} is not one of {list(MODES) + ['auto']}")
@@ -118,10 +118,3 @@ def _engine_steps(cfg: HandoffConfig) -> dict[str, Step | None]:
     if not cfg.offload_rollout:
         return dict.fromkeys(ENGINE_VERBS)
     return {v: Step("engine", v, engine_level_tags(cfg, v)) for v in ENGINE_VERBS}
-
-
-def plan(config, hardware=None, **kw):
-    """``miles.planner.plan``: this plan replayed against estimated sizes on a hardware profile (a PlanReport)."""
-    from miles.planner import plan as replay
-
-    return replay(config, hardware, **kw)

@@ -478,6 +478,14 @@ def plan(
     return PlanReport(cfg.recipe, mode, hw, gpus, hw.nodes_for(gpus), rpn, sizes, steps, host_allocator, reason)
 
 
+def resolve_plan(cfg: RunConfig) -> HandoffPlan:
+    """The run's HandoffPlan; ``colocate_memory_peak_device = 'auto'`` is decided here by ``choose_mode``."""
+    if cfg.handoff.colocate_memory_peak_device != "auto":
+        return HandoffPlan.from_config(cfg.handoff)
+    mode, reason = choose_mode(cfg)
+    return HandoffPlan.from_config(cfg.handoff, mode=mode, reason=reason)
+
+
 def choose_mode(cfg: RunConfig, hardware: str | HardwareProfile | None = None) -> tuple[str, str]:
     """'auto': cpu when both its peaks fit (the default order), else gpu when its peaks fit; the reason says why."""
     hw = hardware if isinstance(hardware, HardwareProfile) else get_profile(hardware or cfg.handoff.hardware)
