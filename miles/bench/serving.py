@@ -82,7 +82,7 @@ def run(argv: list[str]) -> dict:
     from miles.recipes import get_recipe
     from miles.rollout.launch import spawn_miles_servers
     from miles.rollout.router import Router
-    from miles.rollout.sglang import SGLangClient
+    from miles.rollout.sglang_client import SGLangClient
 
     a = _parser().parse_args(argv)
     cfg = apply_overrides(get_recipe(a.recipe), a.set)

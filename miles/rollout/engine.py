@@ -1,7 +1,7 @@
 """The embedded rollout engine: continuous batching on a slotted KV cache, with SGLang's control surface.
 
 It is the CPU default and the engine a user runs on one GPU: the same methods are served over HTTP
-(miles.rollout.server) and implemented against real SGLang (miles.rollout.sglang). Generation is
+(miles.rollout.server) and implemented against real SGLang (miles.rollout.sglang_client). Generation is
 miles.rollout.decode_loop (slots, prefix sharing, device-side finish flags) over miles.rollout.forward; on
 CUDA the decode step runs as CUDA graphs (miles.rollout.cuda_graphs). Memory tags follow SGLang's names:
 ``weights``, ``kv_cache``, ``cuda_graph`` (the graphs' static logits buffer and their private pool).

@@ -1,5 +1,6 @@
 """Server processes: start ``miles serve`` (or a real SGLang server) as a child process, wait until it answers
-/health, stop and restart it. RolloutManager uses ``spawn_http_engines`` when ``rollout.engine = "http"``.
+/health, stop and restart it. RolloutManager spawns its HTTP engines with these when ``rollout.engine = "http"``;
+``launch_sglang`` starts a real SGLang server and returns its client.
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ import weakref
 
 import httpx
 
-from miles.rollout.server import READY_PREFIX
+from miles.rollout.sglang_client import SGLangClient
 
 log = logging.getLogger(__name__)
+READY_PREFIX = "miles serve: listening on "  # the line a `miles serve` child prints with its URL
 _LIVE: "weakref.WeakSet[ServerProcess]" = weakref.WeakSet()
 
 
@@ -212,16 +214,59 @@ def spawn_miles_servers(
     return procs
 
 
-def spawn_http_engines(cfg, device: str, ledger=None) -> list:
-    """The engines RolloutManager holds for ``rollout.engine = "http"``: one client, or a Router over several."""
-    from miles.rollout.router import Router
-    from miles.rollout.sglang import SGLangClient
+# ---- launching real SGLang --------------------------------------------------------------------------------------
+def sglang_available() -> bool:
+    try:
+        import sglang  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
-    n = cfg.rollout.num_engines
-    procs = spawn_miles_servers(cfg, n, device=device)
-    clients = [SGLangClient(p.url, ledger=ledger, process=p) for p in procs]
-    if n == 1:
-        return clients
-    router = Router(clients, restart=lambda i: procs[i].restart())
-    router.start_health_checks()
-    return [router]
+
+def sglang_argv(
+    model_path: str, *, port: int, host: str = "127.0.0.1", mem_fraction_static: float = 0.5, extra: list[str] = ()
+) -> list[str]:
+    """``python -m sglang.launch_server`` for RL rollouts: colocated memory (release/resume by tag needs
+    --enable-memory-saver), weight sync by tensor, our own sampling seeds."""
+    return [
+        sys.executable,
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        model_path,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--mem-fraction-static",
+        str(mem_fraction_static),
+        "--enable-memory-saver",
+        "--skip-server-warmup",
+        *extra,
+    ]
+
+
+def launch_sglang(
+    model_path: str,
+    *,
+    port: int = 0,
+    ledger=None,
+    extra: list[str] = (),
+    log_path: str = "",
+    ready_timeout_s: float = 600.0,
+) -> SGLangClient:
+    """Start a real SGLang server for ``model_path`` (a HF checkpoint directory) and return a client that owns it."""
+    if not sglang_available():
+        raise ImportError(
+            "real SGLang is not installed (it needs a CUDA build): pip install 'miles[sglang]'; "
+            "on CPU use rollout.engine=http, which serves the embedded engine with `miles serve`"
+        )
+    port = port or free_port()
+    proc = ServerProcess(
+        sglang_argv(model_path, port=port, extra=list(extra)),
+        url=f"http://127.0.0.1:{port}",
+        ready_timeout_s=ready_timeout_s,
+        log_path=log_path,
+    )
+    proc.start()
+    return SGLangClient(proc.url, flavor="sglang", ledger=ledger, process=proc)

@@ -18,6 +18,9 @@ from miles.model.tokenizer import load_tokenizer
 from miles.policy.dapo import fill_groups, round_key
 from miles.rollout.api import ReceivesInProcess, supports
 from miles.rollout.engine import EmbeddedEngine
+from miles.rollout.launch import spawn_miles_servers
+from miles.rollout.router import Router
+from miles.rollout.sglang_client import SGLangClient
 from miles.rollout.sources import SampleSource, TaskSource
 from miles.rollout.tail import RoundLog, assign_advantages, rollout_metrics, shape_overlong_of, to_shards
 from miles.samples import Sample, TrainBatch
@@ -44,8 +47,6 @@ class RolloutManager(UpdateCalls):
         r = cfg.rollout
         policy = "host" if cfg.handoff.engine_host_mirror else "discard"
         if r.engine == "http":  # the same engines behind `miles serve` processes (a Router when num_engines > 1)
-            from miles.rollout.launch import spawn_http_engines
-
             self.engines = spawn_http_engines(cfg, device, self.ledger)
         else:
             self.engines = [
@@ -219,6 +220,18 @@ class RolloutManager(UpdateCalls):
         for i, _ in enumerate(self.engines):
             self.ledger.sample_process(f"engine/{i}")
         return self.ledger.drain()
+
+
+def spawn_http_engines(cfg, device: str, ledger=None) -> list:
+    """The engines RolloutManager holds for ``rollout.engine = "http"``: one client, or a Router over several."""
+    n = cfg.rollout.num_engines
+    procs = spawn_miles_servers(cfg, n, device=device)
+    clients = [SGLangClient(p.url, ledger=ledger, process=p) for p in procs]
+    if n == 1:
+        return clients
+    router = Router(clients, restart=lambda i: procs[i].restart())
+    router.start_health_checks()
+    return [router]
 
 
 # Engine calls (miles.rollout.api.Engine, Transactional) that the manager makes on every engine it drives, in order.

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 
 from miles.rollout.engine import GenerateOutput, GenerateRequest
-from miles.rollout.sglang import EngineUnavailable, SGLangClient
+from miles.rollout.sglang_client import EngineUnavailable, SGLangClient
 
 log = logging.getLogger(__name__)
 

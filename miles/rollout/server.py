@@ -1,5 +1,5 @@
 """``miles serve``: the embedded engine behind the SGLang HTTP endpoints that RL uses, so the SGLang client
-(miles.rollout.sglang) and the router are exercised over real HTTP on any machine.
+(miles.rollout.sglang_client) and the router are exercised over real HTTP on any machine.
 
     miles serve --recipe quickstart --set rollout.max_batch_size=64 --port 30000
     curl -s localhost:30000/generate -d '{"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4}}'
@@ -87,7 +87,6 @@ from miles.rollout.sglang_api import (
 from miles.sync.baseline import MissingTensorError
 
 log = logging.getLogger("miles.serve")
-READY_PREFIX = "miles serve: listening on "
 
 
 class Conflict(RuntimeError):

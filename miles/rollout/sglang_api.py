@@ -1,7 +1,7 @@
 """The wire format of SGLang's HTTP API as miles speaks it: JSON bodies <-> GenerateRequest / GenerateOutput,
 and the base64 tensor payloads of ``/update_weights_from_tensor``.
 
-The server (miles.rollout.server) and the client (miles.rollout.sglang) both use these functions, so the two
+The server (miles.rollout.server) and the client (miles.rollout.sglang_client) both use these functions, so the two
 sides cannot drift apart. Field names follow SGLang's ``GenerateReqInput`` and its ``meta_info`` output.
 """
 

@@ -9,7 +9,7 @@ from miles.rollout import api
 from miles.rollout.engine import EmbeddedEngine
 from miles.rollout.manager import FANNED_OUT, RolloutManager
 from miles.rollout.router import Router
-from miles.rollout.sglang import SGLangClient
+from miles.rollout.sglang_client import SGLangClient
 from miles.sync.tensor import TensorSync
 
 CAPABILITIES = [

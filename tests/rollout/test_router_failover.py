@@ -11,7 +11,7 @@ import torch
 from miles.rollout.engine import GenerateRequest, SamplingParams
 from miles.rollout.launch import spawn_miles_servers
 from miles.rollout.router import NoEngineAlive, Router
-from miles.rollout.sglang import SGLangClient
+from miles.rollout.sglang_client import SGLangClient
 from tests.conftest import tiny_run_cfg
 
 pytestmark = pytest.mark.timeout(180)

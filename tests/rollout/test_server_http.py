@@ -14,7 +14,7 @@ import torch
 from miles.rollout.engine import EngineError, GenerateRequest, SamplingParams
 from miles.rollout.launch import spawn_miles_servers
 from miles.rollout.server import build_engine
-from miles.rollout.sglang import SGLangClient
+from miles.rollout.sglang_client import SGLangClient
 from miles.sync.flat_bucket import StagingBuffers
 from tests.conftest import tiny_run_cfg
 

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from miles.driver import train
-from miles.rollout.sglang import launch_sglang, sglang_available
+from miles.rollout.launch import launch_sglang, sglang_available
 from tests.conftest import tiny_run_cfg
 
 

@@ -1,6 +1,6 @@
 """The SGLang client: the engine interface (same methods as EmbeddedEngine) over SGLang's HTTP API, so a
 RolloutManager holds it in ``self.engines`` unchanged. It talks to ``miles serve`` (flavor "miles", tested here
-over real HTTP) or to a real SGLang server (flavor "sglang", started by ``launch_sglang``).
+over real HTTP) or to a real SGLang server (flavor "sglang", started by ``miles.rollout.launch.launch_sglang``).
 
 Real SGLang needs a CUDA build (``pip install 'miles[sglang]'``) and cannot be installed on the CPU machines
 this project is tested on; ``launch_sglang`` raises an ImportError with that hint there. Against real SGLang the
@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import io
 import logging
-import sys
 from collections.abc import Iterable
 
 import httpx
@@ -285,63 +284,3 @@ def _sglang_serialize(named: list[tuple[str, torch.Tensor]]) -> str:
     except ImportError as e:
         raise ImportError("sending tensors to a real SGLang server needs sglang: pip install 'miles[sglang]'") from e
     return MultiprocessingSerializer.serialize(named, output_str=True)
-
-
-# ---- launching real SGLang --------------------------------------------------------------------------------------
-def sglang_available() -> bool:
-    try:
-        import sglang  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def sglang_argv(
-    model_path: str, *, port: int, host: str = "127.0.0.1", mem_fraction_static: float = 0.5, extra: list[str] = ()
-) -> list[str]:
-    """``python -m sglang.launch_server`` for RL rollouts: colocated memory (release/resume by tag needs
-    --enable-memory-saver), weight sync by tensor, our own sampling seeds."""
-    return [
-        sys.executable,
-        "-m",
-        "sglang.launch_server",
-        "--model-path",
-        model_path,
-        "--host",
-        host,
-        "--port",
-        str(port),
-        "--mem-fraction-static",
-        str(mem_fraction_static),
-        "--enable-memory-saver",
-        "--skip-server-warmup",
-        *extra,
-    ]
-
-
-def launch_sglang(
-    model_path: str,
-    *,
-    port: int = 0,
-    ledger=None,
-    extra: list[str] = (),
-    log_path: str = "",
-    ready_timeout_s: float = 600.0,
-) -> SGLangClient:
-    """Start a real SGLang server for ``model_path`` (a HF checkpoint directory) and return a client that owns it."""
-    if not sglang_available():
-        raise ImportError(
-            "real SGLang is not installed (it needs a CUDA build): pip install 'miles[sglang]'; "
-            "on CPU use rollout.engine=http, which serves the embedded engine with `miles serve`"
-        )
-    from miles.rollout.launch import ServerProcess, free_port
-
-    port = port or free_port()
-    proc = ServerProcess(
-        sglang_argv(model_path, port=port, extra=list(extra)),
-        url=f"http://127.0.0.1:{port}",
-        ready_timeout_s=ready_timeout_s,
-        log_path=log_path,
-    )
-    proc.start()
-    return SGLangClient(proc.url, flavor="sglang", ledger=ledger, process=proc)
