@@ -66,7 +66,7 @@ def _delegate(module: str):
     return run
 
 
-_DELEGATED = {"plan": "miles.planner", "serve": "miles.rollout.server", "dashboard": "miles.dashboard.server"}
+_DELEGATED = {"plan": "miles.planner", "serve": "miles.rollout.serve_cli", "dashboard": "miles.dashboard.server"}
 
 
 def _add_train(sub) -> None:
@@ -131,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     _bench_parser(sub)
     for name, module, text in (
         ("plan", "miles.planner", "predict device/host memory peaks of a recipe on hardware"),
-        ("serve", "miles.rollout.server", "serve the embedded engine over SGLang's HTTP API"),
+        ("serve", "miles.rollout.serve_cli", "serve the embedded engine over SGLang's HTTP API"),
         ("dashboard", "miles.dashboard.server", "browse a run directory in a web UI"),
     ):
         s = sub.add_parser(name, help=text, add_help=False)

@@ -166,7 +166,7 @@ def miles_serve_argv(
     return [
         sys.executable,
         "-m",
-        "miles.rollout.server",
+        "miles.rollout.serve_cli",
         "--config",
         config_path,
         "--host",

@@ -1,6 +1,6 @@
 """The ``miles serve`` command: parse the arguments, bind the port (a taken one fails at once, with the
 address and the fix in one line), build the engine, guard the app (miles.http_guard) and run uvicorn.
-``python -m miles.rollout.server`` and ``miles serve`` both land in ``main``.
+``python -m miles.rollout.serve_cli`` and ``miles serve`` both land in ``main``.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ import time
 import torch
 
 from miles.http_guard import API_KEY_ENV, allowed_hosts, api_key_from, exposure_warning
-from miles.rollout.server import READY_PREFIX, EngineServer, build_engine
+from miles.rollout.launch import READY_PREFIX
+from miles.rollout.server import EngineServer, build_engine
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -128,3 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     config = uvicorn.Config(server.app, log_level=args.log_level, access_log=False, timeout_keep_alive=60, backlog=2048)
     uvicorn.Server(config).run(sockets=[sock])
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -58,7 +58,6 @@ import io
 import json
 import logging
 import os
-import sys
 import time
 
 import torch
@@ -475,14 +474,3 @@ def build_engine(cfg, device: str, owner: str = "engine/0") -> EmbeddedEngine:
         weights_policy="host" if cfg.handoff.engine_host_mirror else "discard",
         logprob_chunk_size=cfg.trainer.logprob_chunk_size,
     )
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``miles serve`` (miles.rollout.serve_cli): imported when run, so the app module stays free of the CLI."""
-    from miles.rollout.serve_cli import main as serve_main
-
-    return serve_main(argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

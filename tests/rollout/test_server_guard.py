@@ -7,11 +7,11 @@ import socket
 
 import httpx
 import pytest
-from miles.rollout.sglang import SGLangClient
 
 from miles.http_guard import allowed_hosts, exposure_warning, host_of
 from miles.rollout.engine import EngineError, GenerateRequest, SamplingParams
 from miles.rollout.serve_cli import main as serve_main
+from miles.rollout.sglang_client import SGLangClient
 
 pytestmark = pytest.mark.timeout(120)
 

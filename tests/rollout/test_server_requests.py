@@ -86,7 +86,7 @@ def _weights(url: str) -> dict[str, torch.Tensor]:
 
 
 def test_an_engine_whose_discarded_weights_were_resumed_refuses_generate_with_409_until_every_tensor_is_synced(serve):
-    from miles.rollout.sglang import SGLangClient
+    from miles.rollout.sglang_client import SGLangClient
 
     s = serve()  # quickstart: weights_policy "discard"
     client = SGLangClient(s.url)
