@@ -12,6 +12,7 @@ both backends optimise the same objective.
 
 from __future__ import annotations
 
+import math
 import socket
 from collections.abc import Iterator
 
@@ -26,7 +27,7 @@ from miles.model.decoder import DTYPES, build_decoder
 from miles.policy.logprob import log_probs_and_entropy
 from miles.policy.precision import megatron_policy_forward_kwargs
 from miles.train.megatron_convert import hf_to_megatron, megatron_to_hf
-from miles.train.torch_backend import TRAIN_TAGS, TorchBackend
+from miles.train.torch_backend import TRAIN_TAGS, NonFiniteTrainingError, TorchBackend
 
 INSTALL_HINT = "the megatron backend needs megatron-core: pip install 'miles[gpu]'"
 
@@ -314,12 +315,19 @@ class MegatronBackend(TorchBackend):
         ent = torch.cat([pad, ent.view(N, T)], 1) if ent is not None else None
         return lp, ent
 
-    def _optimizer_step(self) -> float:
+    def _optimizer_step(self, where: str, loss: torch.Tensor) -> float:
         self.model.finish_grad_sync()  # all-reduce (or reduce-scatter) of the FP32 grad buffers across DP ranks
         ok, grad_norm, _ = self.optimizer.step()  # clips to cfg.max_grad_norm, updates FP32 masters, copies to bf16
         self._zero_grads()
-        if not ok:
-            raise FloatingPointError("Megatron optimizer step skipped (non-finite gradients)")
+        # Megatron skips a step with non-finite gradients only under an fp16 grad scaler; with bf16 it steps, so a
+        # NaN norm here means NaN weights: stop before the driver syncs them to the engines or checkpoints them
+        if not ok or (grad_norm is not None and not math.isfinite(grad_norm)):
+            raise NonFiniteTrainingError(
+                f"{where}: grad_norm = {grad_norm} (loss = {loss.item()}) is not finite "
+                f"({'Megatron skipped the step' if not ok else 'the trainer weights are no longer finite'}); "
+                "nothing was synced to the engines. Check the rewards and advantages for NaN, or lower trainer.lr; "
+                "the rerun resumes from the last checkpoint"
+            )
         return float(grad_norm)
 
     def _zero_grads(self) -> None:
