@@ -7,7 +7,8 @@ import logging
 import os
 
 from miles.config import RunConfig
-from miles.handoff import TRAIN_ALL, Step
+from miles.handoff import TRAIN_ALL
+from miles.plan_executor import PlanExecutor
 from miles.threads import actor_options
 from miles.train.actor import TrainGroup, resolve_device
 
@@ -78,7 +79,7 @@ def _kill_ray_children() -> None:
                 pass
 
 
-class Cluster:
+class Cluster(PlanExecutor):
     """with Cluster(cfg) as c: c.rollout.generate.remote(step); c.execute(plan.init, version=0); c.trainer.train(...)"""
 
     def __init__(self, cfg: RunConfig):
@@ -123,27 +124,10 @@ class Cluster:
 
         return ray.get(ref)
 
-    def execute(self, steps: tuple[Step, ...], version: int | None = None) -> dict[str, float]:
-        """Run plan steps in order; returns bytes moved per step (``"<owner>.<verb>": bytes``)."""
-        moved: dict[str, float] = {}
-        for s in steps:
-            key = f"{s.owner}.{s.verb}"
-            if s.owner == "engine":
-                args = [list(s.tags)] if s.verb in ("offload", "onload") else []  # guarded verbs pick their own tags
-                moved[key] = moved.get(key, 0) + self.get(getattr(self.rollout, s.verb).remote(*args))
-            elif s.owner == "trainer" and s.verb == "build":
-                pass  # the TrainGroup is built in __init__; building it here instead lowers the launch peak
-            elif s.owner == "trainer" and s.verb == "clear_memory":
-                self.trainer.clear_memory()
-            elif s.owner == "trainer":
-                moved[key] = moved.get(key, 0) + sum(getattr(self.trainer, s.verb)(list(s.tags)))
-            elif s.owner == "sync":
-                self.sync_metrics = self.trainer.update_weights(version)[0]
-                if self.cfg.sync.check_weights:
-                    self.check_weights()
-            else:
-                raise AssertionError(f"unknown plan step {s}")
-        return moved
+    def synced(self, metrics: list[dict]) -> None:
+        self.sync_metrics = metrics[0]
+        if self.cfg.sync.check_weights:
+            self.check_weights()
 
     def check_weights(self) -> None:
         """Engine weights must equal the trainer's, bit for bit (dtype, shape and every byte), after a sync."""

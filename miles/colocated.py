@@ -1,6 +1,6 @@
 """Colocated: the rollout manager and one trainer rank in this process, sharing one device and one MemoryLedger.
 
-It executes HandoffPlan steps with the same step -> call mapping as miles.cluster.Cluster.execute, without Ray:
+It executes HandoffPlan steps through the same executor as miles.cluster.Cluster (miles.plan_executor), without Ray:
 the unit tests check plan against execution with it, and the handoff benchmark and notebooks measure real
 peaks, bytes and copy speed with it (on CPU here, on one GPU where Ray is not installed).
 
@@ -23,8 +23,9 @@ from dataclasses import dataclass, field
 import torch
 
 from miles.config import RunConfig
-from miles.handoff import ENGINE_VERBS, HandoffPlan, Step
+from miles.handoff import HandoffPlan, Step
 from miles.memory import LedgerEvent
+from miles.plan_executor import PlanExecutor
 from miles.policy.objective import resolved_trainer
 from miles.rollout.manager import RolloutManager
 from miles.train.torch_backend import TorchBackend
@@ -45,7 +46,7 @@ class StepRecord:
         return tuple(dict.fromkeys(e.tag for e in self.events if e.bytes))
 
 
-class Colocated:
+class Colocated(PlanExecutor):
     """One engine group + one trainer rank on one device; see the module docstring for the call order."""
 
     def __init__(self, cfg: RunConfig, device: str = "cpu", disk_dir: str | None = None):
@@ -55,7 +56,8 @@ class Colocated:
                 f"miles.cluster.Cluster for more ranks"
             )
         self.cfg, self.device = cfg, device
-        self.manager = RolloutManager(cfg, device)
+        self.manager = self.rollout = RolloutManager(cfg, device)
+        self.trainer = LocalTrainer(self)
         self.ledger = self.manager.ledger
         self.disk_dir = disk_dir
         self.backend: TorchBackend | None = None  # built by the plan's trainer.build step (or build_trainer())
@@ -68,38 +70,13 @@ class Colocated:
         self.events += new
         return new
 
-    def execute(self, steps: tuple[Step, ...], version: int | None = None, phase: str = "") -> dict[str, int]:
-        """Run plan steps in order; returns bytes moved per ``owner.verb`` (like Cluster.execute)."""
-        moved: dict[str, int] = {}
-        for s in steps:
-            t0 = time.perf_counter()
-            n = self._call(s, version)
-            if self.device == "cuda":
-                torch.cuda.synchronize()
-            rec = StepRecord(
-                phase, s, n, time.perf_counter() - t0, self._drain(), _allocated(self.device), self.held_device_bytes()
-            )
-            self.records.append(rec)
-            moved[s.key] = moved.get(s.key, 0) + n
-        return moved
-
-    def _call(self, s: Step, version: int | None) -> int:
-        if s.owner == "engine" and s.verb in ENGINE_VERBS:
-            return getattr(self.manager, s.verb)()
-        if s.owner == "trainer" and s.verb == "build":
-            self.build_trainer()
-            return 0
-        if s.owner == "trainer" and s.verb == "clear_memory":
-            self.backend.clear_memory()
-            return 0
-        if s.owner == "trainer" and s.verb in ("offload", "onload"):
-            return getattr(self.backend, s.verb)(s.tags)
-        if s.owner == "sync":
-            named = list(self.backend.named_weights())
-            for e in self.manager.engines:
-                e.update_weights_from_tensor(named, version)
-            return 0
-        raise ValueError(f"plan step {s} has no executor mapping; valid owners engine/trainer/sync")
+    def step_done(self, s: Step, moved: int, t0: float, phase: str) -> None:
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
+        self.records.append(
+            StepRecord(phase, s, moved, seconds, self._drain(), _allocated(self.device), self.held_device_bytes())
+        )
 
     def build_trainer(self) -> TorchBackend:
         """Create the trainer rank (once): its tags enter the ledger's device pool now."""
@@ -158,6 +135,32 @@ class Colocated:
             self.execute(plan.train_to_rollout, version=i + 1, phase="train_to_rollout")
             rows.append(metrics)
         return rows
+
+
+class LocalTrainer:
+    """Colocated's trainer rank as a trainer group of one (the methods PlanExecutor calls, one result per rank).
+    Its sync copies the trainer's tensors into every engine in process (update_weights_from_tensor)."""
+
+    def __init__(self, co: Colocated):
+        self.co = co
+
+    def build(self) -> None:
+        self.co.build_trainer()
+
+    def clear_memory(self) -> None:
+        self.co.backend.clear_memory()
+
+    def offload(self, tags) -> list[int]:
+        return [self.co.backend.offload(tuple(tags))]
+
+    def onload(self, tags) -> list[int]:
+        return [self.co.backend.onload(tuple(tags))]
+
+    def update_weights(self, version: int | None) -> list[dict]:
+        named = list(self.co.backend.named_weights())
+        for e in self.co.manager.engines:
+            e.update_weights_from_tensor(named, version)
+        return [{}]
 
 
 def _allocated(device: str) -> int:

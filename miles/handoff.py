@@ -1,6 +1,6 @@
 """HandoffPlan: the ordered offload/onload steps between rollout and training, decided once from the config.
 
-The driver executes a plan for real (miles.cluster.Cluster.execute over Ray, miles.colocated.Colocated in one
+The driver executes a plan for real (miles.plan_executor: miles.cluster.Cluster over Ray, miles.colocated.Colocated in one
 process); the planner (miles.planner) replays the same steps against estimated sizes. Two orders (DESIGN §2):
 
 peak device ``cpu`` (each side offloads before the other onloads; the host briefly holds both copies)
@@ -14,9 +14,10 @@ mirror and the trainer's host backup never coexist)
     rollout->train: engine.offload_kv -> trainer.onload -> engine.offload_weights
     train->rollout: trainer.clear_memory -> engine.onload_weights -> trainer.offload -> sync -> engine.onload_kv
 
-Engine steps use the RolloutManager's guarded verbs. ``offload_weights`` / ``onload_weights`` stay in the plan
-when ``weight`` is not in ``offload_rollout_level``: the manager's guard makes them move nothing, and the plan
-records that with empty tags (so the executed sequence and the plan are the same list). A step's ``tags`` are
+An engine step carries the tags it moves (``engine_level_tags``, decided here once); the executor
+(miles.plan_executor) hands exactly those to ``RolloutManager.offload`` / ``onload``. ``offload_weights`` /
+``onload_weights`` stay in the plan with empty tags when ``weight`` is not in ``offload_rollout_level``: they
+move nothing (so the executed sequence and the plan are the same list). A step's ``tags`` are
 the tags it is expected to move; the planner prices exactly those. ``trainer.build`` marks where the trainer's
 memory comes into being: the engines are built first, and in gpu mode they keep their weights resident through
 trainer init (DESIGN §2); an executor that built the trainer earlier runs it as a no-op.
@@ -105,7 +106,7 @@ class HandoffPlan:
 
 
 def engine_level_tags(cfg: HandoffConfig, verb: str) -> tuple[str, ...]:
-    """The tags an engine verb moves under the level guard (the RolloutManager applies the same rule)."""
+    """The tags an engine verb moves at ``offload_rollout_level`` (the only place this rule is written)."""
     if verb in ("offload_kv", "onload_kv"):
         return ("cuda_graph",) + (("kv_cache",) if "kv_cache" in cfg.offload_rollout_level else ())
     if verb in ("offload_weights", "onload_weights"):

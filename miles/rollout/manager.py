@@ -27,8 +27,6 @@ from miles.samples import Sample, TrainBatch
 from miles.sync.receiver import UpdateCalls
 from miles.threads import init_on_compute_thread, on_compute_thread
 
-LEVEL_TAGS = {"kv_cache": ("kv_cache", "cuda_graph"), "weight": ("weights",)}
-
 
 class RolloutManager(UpdateCalls):
     """manager = RolloutManager(cfg, device="cpu")
@@ -136,25 +134,6 @@ class RolloutManager(UpdateCalls):
     @on_compute_thread
     def onload(self, tags) -> int:
         return sum(e.resume_memory(list(tags)) for e in self.engines)
-
-    def offload_kv(self) -> int:
-        return self.offload(self._level_tags("kv_cache"))
-
-    def onload_kv(self) -> int:
-        return self.onload(self._level_tags("kv_cache"))
-
-    def offload_weights(self) -> int:
-        """Does nothing unless 'weight' is in handoff.offload_rollout_level."""
-        return self.offload(self._level_tags("weight"))
-
-    def onload_weights(self) -> int:
-        """Does nothing unless 'weight' is in handoff.offload_rollout_level."""
-        return self.onload(self._level_tags("weight"))
-
-    def _level_tags(self, level: str) -> list[str]:
-        if level == "kv_cache":
-            return ["cuda_graph"] + (["kv_cache"] if "kv_cache" in self.cfg.handoff.offload_rollout_level else [])
-        return ["weights"] if level in self.cfg.handoff.offload_rollout_level else []
 
     # ---- weight sync receive side (miles.sync.receiver): one transfer per process, applied to every engine ----
     # (the calls every engine takes alike are fanned out below the class: FANNED_OUT)

@@ -209,6 +209,10 @@ class TrainGroup:
     def set_lr(self, lr: float) -> list:
         return self._all("set_lr", lr)
 
+    def build(self) -> None:
+        """The plan's ``trainer.build`` step: nothing here, the actors are created in the constructor (before the
+        RolloutManager, so on Ray the launch order is not yet the one the planner prices)."""
+
     def offload(self, tags) -> list[int]:
         """Bytes each rank moved off the device."""
         return self._all("offload", tags)

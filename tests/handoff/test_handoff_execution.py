@@ -9,7 +9,7 @@ import pytest
 
 from miles.colocated import Colocated
 from miles.config import apply_overrides
-from miles.handoff import HandoffPlan
+from miles.handoff import HandoffPlan, engine_level_tags
 from miles.planner import plan as predict
 from miles.recipes import quickstart
 
@@ -119,10 +119,11 @@ def test_a_second_sleep_or_wake_is_a_no_op_on_both_sides(tmp_path):
     co.ledger.drain()
     assert backend.sleep() > 0 and backend.sleep() == 0
     assert backend.wake_up() > 0 and backend.wake_up() == 0
-    assert manager.offload_kv() > 0 and manager.offload_kv() == 0
-    assert manager.offload_weights() > 0 and manager.offload_weights() == 0
-    assert manager.onload_weights() > 0 and manager.onload_weights() == 0
-    assert manager.onload_kv() > 0 and manager.onload_kv() == 0
+    kv, w = (engine_level_tags(co.cfg.handoff, v) for v in ("offload_kv", "offload_weights"))
+    assert manager.offload(kv) > 0 and manager.offload(kv) == 0
+    assert manager.offload(w) > 0 and manager.offload(w) == 0
+    assert manager.onload(w) > 0 and manager.onload(w) == 0
+    assert manager.onload(kv) > 0 and manager.onload(kv) == 0
     events, _ = co.ledger.drain()
     assert len([e for e in events if e.owner.startswith("trainer") and e.pool == "device"]) == 2  # one out, one in
 

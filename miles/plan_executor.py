@@ -1,0 +1,58 @@
+"""The one executor of HandoffPlan steps, over handles that are in-process objects or Ray actors alike.
+
+``miles.cluster.Cluster`` (Ray actors, what a run executes) and ``miles.colocated.Colocated`` (one process, what
+the byte-exact plan tests and the handoff notebooks measure) both run their steps through ``PlanExecutor.execute``;
+only their handles differ. An engine step moves exactly the tags the plan gives it (``HandoffPlan`` decides them
+once); a trainer step calls the trainer group's method of the same name.
+
+    class MyCluster(PlanExecutor):      # self.rollout: a RolloutManager or its actor; self.trainer: a trainer group
+        def synced(self, metrics): ...  # after each sync step (the per-rank metrics of update_weights)
+    moved = cluster.execute(plan.rollout_to_train)          # {"engine.offload_kv": bytes, ...}
+"""
+
+from __future__ import annotations
+
+import time
+
+from miles.handoff import Step
+from miles.sync.base import call
+
+
+class PlanExecutor:
+    """Subclasses set ``rollout`` (RolloutManager or Ray actor handle) and ``trainer`` (methods build, clear_memory,
+    offload(tags), onload(tags) and update_weights(version), each returning one result per rank)."""
+
+    rollout: object
+    trainer: object
+
+    def execute(self, steps: tuple[Step, ...], version: int | None = None, phase: str = "") -> dict[str, int]:
+        """Run plan steps in order; returns the bytes moved by each engine and trainer offload/onload step
+        (``"<owner>.<verb>": bytes``)."""
+        moved: dict[str, int] = {}
+        for s in steps:
+            t0 = time.perf_counter()
+            n = self.run_step(s, version)
+            if n is not None:
+                moved[s.key] = moved.get(s.key, 0) + n
+            self.step_done(s, n or 0, t0, phase)
+        return moved
+
+    def run_step(self, s: Step, version: int | None) -> int | None:
+        """One step; the bytes it moved, or None for a step that moves none by definition (build, clear, sync)."""
+        if s.owner == "engine" and s.verb.startswith(("offload", "onload")):
+            return call(self.rollout, "offload" if s.verb.startswith("offload") else "onload", list(s.tags))
+        if s.owner == "trainer" and s.verb in ("build", "clear_memory"):
+            getattr(self.trainer, s.verb)()
+            return None
+        if s.owner == "trainer" and s.verb in ("offload", "onload"):
+            return sum(getattr(self.trainer, s.verb)(list(s.tags)))
+        if s.owner == "sync":
+            self.synced(self.trainer.update_weights(version))
+            return None
+        raise ValueError(f"plan step {s} has no executor mapping; valid owners engine/trainer/sync")
+
+    def synced(self, metrics: list[dict]) -> None:
+        """After a sync step, with each rank's sync metrics."""
+
+    def step_done(self, s: Step, moved: int, t0: float, phase: str) -> None:
+        """After every step (Colocated records it)."""
