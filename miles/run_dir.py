@@ -60,6 +60,7 @@ class RunDir:
         self.checkpoints = Checkpoints(self.path / "checkpoints")
         self.ckpt_root = self.checkpoints.root
         self._lock_fd: int | None = None
+        self.sinks: list = []  # callables that also get every metrics row (miles.trackers)
 
     # ---- opening ------------------------------------------------------------------------------------------
     @classmethod
@@ -137,6 +138,8 @@ class RunDir:
 
     def append_metrics(self, row: dict) -> None:
         self._append("metrics.jsonl", [row])
+        for sink in self.sinks:
+            sink(row)
 
     def append_ledger(self, step: int, events, samples) -> None:
         self._append("ledger.jsonl", [{**asdict(e), "step": step} for e in events])

@@ -1,9 +1,9 @@
 """Experiment trackers: every metrics row the run writes to metrics.jsonl (always on) also goes, under the same
 metric names, to TensorBoard event files (the `tensorboard` package) and to Weights & Biases in offline mode.
 
-    trackers = Trackers.open(cfg.log, run_dir="runs/x", config=cfg.to_dict())
-    trackers.log({"step": 3, "reward": 0.5, "eval/all/mean@4": 0.2})   # RunDir.append_metrics calls this
-    trackers.close()
+    with Trackers.open(cfg.log, run_dir, config=cfg.to_dict()):   # a miles.run_dir.RunDir
+        run_dir.append_metrics({"step": 3, "reward": 0.5, "eval/all/mean@4": 0.2})   # -> every tracker
+
 
 Rows are keyed by their "step" (RL step); warm-up rows ("phase": "sft", keyed by "sft_step") are logged as
 "sft/<name>" so that their steps do not collide with the RL steps.
@@ -80,22 +80,34 @@ class WandbTracker:
 
 
 class Trackers:
-    def __init__(self, trackers: list):
-        self.trackers = trackers
+    """The trackers of a run, fed by the RunDir's metrics rows while open (a context manager)."""
+
+    def __init__(self, trackers: list, run_dir=None):
+        self.trackers, self.run_dir = trackers, run_dir
 
     @classmethod
-    def open(cls, cfg: LogConfig, *, run_dir: str | Path, config: dict | None = None) -> "Trackers":
-        run_dir, out = Path(run_dir), []
+    def open(cls, cfg: LogConfig, run_dir, *, config: dict | None = None) -> "Trackers":
+        path, out = Path(run_dir.path), []
         if "tensorboard" in cfg.trackers:
-            out.append(TensorBoardTracker(run_dir))
+            out.append(TensorBoardTracker(path))
         if "wandb" in cfg.trackers:
-            out.append(WandbTracker(run_dir, cfg.project, config or {}))
-        return cls(out)
+            out.append(WandbTracker(path, cfg.project, config or {}))
+        self = cls(out, run_dir)
+        run_dir.sinks.append(self.log)
+        return self
+
+    def __enter__(self) -> "Trackers":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def log(self, row: dict) -> None:
         for t in self.trackers:
             t.log(row)
 
     def close(self) -> None:
+        if self.run_dir is not None and self.log in self.run_dir.sinks:
+            self.run_dir.sinks.remove(self.log)
         for t in self.trackers:
             t.close()

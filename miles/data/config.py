@@ -87,6 +87,11 @@ def check_run(cfg) -> None:
     d, e = cfg.data, cfg.eval
     if d.train and cfg.task.name == "swe":
         raise ValueError("data.train and task.name = 'swe' both choose the samples; unset one of them")
+    if d.train and getattr(cfg.rollout, "dynamic_sampling", False):
+        raise ValueError(
+            "rollout.dynamic_sampling refills from the task's prompt streams; with data.train it is not supported "
+            "yet: set rollout.dynamic_sampling=false"
+        )
     if e.every and not d.eval:
         raise ValueError(f"eval.every = {e.every} needs held-out datasets: set data.eval (or eval.every=0)")
     if d.messages_key and not d.chat_template:

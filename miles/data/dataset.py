@@ -194,3 +194,11 @@ class PromptDataset:
             )
         self.epoch, self.index = state["epoch"], state["index"]
         self._order = self._order_of(self.epoch)
+
+
+def check_data(cfg) -> None:
+    """Before a run starts: every dataset of data.train and data.eval reads and maps row by row, and no eval row is
+    a train row. (Prompt lengths need the tokenizer: the sample source checks them when it renders a row.)"""
+    train = [r for rows, _ in load_split(cfg.data.train, cfg.data, "train").values() for r in rows]
+    evals = {name: rows for name, (rows, _) in load_split(cfg.data.eval, cfg.data, "eval").items()}
+    check_no_overlap(train, evals)

@@ -1,12 +1,14 @@
 """RolloutManager: a sample source's samples -> rewards -> group advantages -> metrics -> per-rank train batches.
 
 It owns the engines (embedded in-process, or reached over HTTP), the sample source (a task's prompts or agent
-episodes, miles.rollout.sources) and the tokenizer, and exposes the engines' memory controls to the handoff plan.
+episodes, miles.rollout.sources; a prompt dataset, miles.data.source) and the tokenizer, and exposes the engines' memory controls to the handoff plan.
 It runs as a Ray actor in a run, or in-process in tests.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import time
 
 import torch
@@ -65,6 +67,12 @@ class RolloutManager(UpdateCalls):
         self.source: SampleSource = (
             AgentSource(cfg, self.engines, self.tokenizer) if cfg.task.name == "swe" else self.tasks
         )
+        self.data = None  # a prompt dataset replaces the task when data.train is set (miles.data.source)
+        if cfg.data.train:
+            from miles.data.source import DatasetSource
+
+            self.data = self.source = DatasetSource(cfg, self.tokenizer, self.engines)
+        self.evaluator = None  # built on the first eval (miles.data.eval)
         self.last_samples: list[Sample] = []
 
     # ---- rollout ------------------------------------------------------------------------------------------
@@ -94,9 +102,34 @@ class RolloutManager(UpdateCalls):
         return samples
 
     @on_compute_thread
+    def evaluate(self, step: int) -> dict[str, float]:
+        """Held-out eval of data.eval with the engines' current weights (miles.data.eval)."""
+        if self.evaluator is None:
+            from miles.data.eval import Evaluator
+
+            self.evaluator = Evaluator(
+                self.cfg, self.tokenizer, self.engines, self.data.dataset.rows if self.data else []
+            )
+        return self.evaluator.evaluate(step)
+
+    def save_data_state(self, directory: str, next_step: int) -> None:
+        """The dataset's epoch position at the start of ``next_step``, beside the trainer's checkpoint files."""
+        if self.data is not None:
+            from miles.atomic import atomic_write_text
+
+            atomic_write_text(f"{directory}/data_state.json", json.dumps(self.data.state_dict(next_step)))
+
+    def load_data_state(self, checkpoint: str) -> None:
+        path = f"{checkpoint}/data_state.json"
+        if self.data is not None and os.path.exists(path):
+            with open(path) as f:
+                self.data.load_state_dict(json.load(f))
+
+    @on_compute_thread
     def sft_batches(self, step: int) -> list[TrainBatch]:
         """Reference answers as train batches (for a supervised warm-up), one per rank."""
-        samples = self.tasks.prompts(10_000_000 + step, with_targets=True)
+        source = self.data if self.data is not None else self.tasks
+        samples = source.prompts(10_000_000 + step, with_targets=True)
         return to_shards(samples, self.tokenizer.pad_token_id, self.cfg.trainer.world_size)
 
     def sample_rows(self, train_log_probs: dict[int, list[float]] | None = None) -> list[dict]:
