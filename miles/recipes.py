@@ -128,7 +128,7 @@ def smollm2_math() -> RunConfig:
     model = config_from_checkpoint(path, max_position_embeddings=256)
     d = quickstart().to_dict()
     d.update(recipe="smollm2_math", run_dir="runs/smollm2_math", num_steps=200, checkpoint_every=0, device="auto")
-    d["model"] = {**model.as_dict(), "dtype": "bfloat16"}
+    d["model"] = model.as_dict()
     d["rollout"].update(
         num_prompts_per_step=32,
         n_samples_per_prompt=8,
@@ -136,8 +136,9 @@ def smollm2_math() -> RunConfig:
         temperature=1.0,
         max_seq_len=128,
         max_batch_size=512,
-    )  # the eval's 128 x (4 + 1) completions go in one batch
-    d["trainer"].update(lr=2e-6, warmup_sft_steps=0, num_minibatches=1)
+    )  # the eval's 128 x 4 sampled completions go in one batch
+    # FP32 weights (the GGUF's dequantized values): Adam steps of lr 1e-5 are below a bf16 weight's resolution
+    d["trainer"].update(lr=1e-5, warmup_sft_steps=0, num_minibatches=2)
     d["data"].update(train=generated_train("mixed", 20000), eval=split_path("mixed"), reward="math")
     d["eval"].update(every=5, k=4, temperature=0.7, max_new_tokens=48)
     d["handoff"].update(offload_train="none", offload_rollout=False)  # 135M: trainer and engine fit side by side
