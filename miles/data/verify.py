@@ -44,11 +44,9 @@ def extract_answer(response: str) -> tuple[str | None, str]:
         tail = response.rsplit("####", 1)[1].strip().splitlines()
         if tail and tail[0].strip():
             return tail[0].strip(), "hashes"
-    found = list(_ANSWER_IS_RE.finditer(response))
+    found = [m.group(1).strip() for m in _ANSWER_IS_RE.finditer(response) if m.group(1).strip()]
     if found:
-        m = found[-1]
-        ans = m.group(1).strip().splitlines()[0]
-        return ans.rstrip(".").strip(), "answer_is"
+        return found[-1].splitlines()[0].rstrip(".").strip(), "answer_is"
     numbers = _NUMBER_RE.findall(normalize(response))
     if numbers:
         return numbers[-1], "last_number"

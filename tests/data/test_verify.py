@@ -85,3 +85,8 @@ def test_countdown_accepts_a_right_expression_and_refuses_reused_or_foreign_numb
     assert countdown_reward("", "\\boxed{6**4}", target) == 0.0
     with pytest.raises(ValueError, match="should read '<target> from"):
         countdown_reward("", "1", "24")
+
+
+@pytest.mark.parametrize("response", ["the answer is  .", "The answer is\n\n", "answer is: ."])
+def test_an_empty_answer_after_the_answer_is_scores_zero_instead_of_raising(response):
+    assert math_reward("q", response, "7") == 0.0  # an IndexError here stopped the first H200 run
