@@ -26,7 +26,7 @@ def run(argv: list[str]) -> dict:
     from miles.driver import train
     from miles.recipes import get_recipe
 
-    cfg = apply_overrides(get_recipe(a.recipe), ["resume=false", *a.overrides])
+    cfg = apply_overrides(get_recipe(a.recipe), ["resume=false", "overwrite=true", *a.overrides])
     stop = threading.Event()
     timer = threading.Timer(a.minutes * 60, stop.set)
     t0 = time.perf_counter()
