@@ -7,14 +7,18 @@ the stop and length checks and the finished flags are written on the device (``a
 never waits on a step. It reads the flags every ``check_every`` steps while rows can stop early or requests
 wait, otherwise only when the first row reaches its length, which the host knows without asking.
 
+A call made while another one runs joins it: its requests enter the running loop's queue (and take its
+random stream; their seed is not used), and the call returns when its own requests are done.
+
     loop = DecodeLoop(engine)                       # owned by the EmbeddedEngine
-    outs = loop.run(requests, generator)            # one GenerateOutput per request, in order
+    outs = loop.generate(requests, seed)            # one GenerateOutput per request, in order
 """
 
 from __future__ import annotations
 
+import threading
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -70,8 +74,30 @@ def advance(st: RowState, rows: torch.Tensor | slice, tok: torch.Tensor, lp: tor
 
 
 @dataclass(slots=True)
+class _Call:
+    """One generate call's results; the caller waits on ``done`` (set when every request has an output)."""
+
+    results: list
+    left: int
+    done: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+
+    def put(self, i: int, out) -> None:
+        self.results[i] = out
+        self.left -= 1
+        if not self.left:
+            self.done.set()
+
+    def fail(self, e: BaseException) -> None:
+        if not self.done.is_set():
+            self.error = e
+            self.done.set()
+
+
+@dataclass(slots=True)
 class _Row:
-    index: int  # position in the caller's request list
+    call: _Call
+    i: int  # position in the call's request list
     req: object  # GenerateRequest
     steps: int = 1  # tokens generated (the host's count: exact unless a stop token ended the row earlier)
 
@@ -90,25 +116,71 @@ class DecodeLoop:
         self.e, self.check_every, self.prefill_tokens = engine, check_every, prefill_tokens
         self.buckets = buckets(engine.max_batch_size)
         # since construction: prompts prefilled, rows admitted, decode steps, host reads of the finish flags
-        self.stats = {"prefills": 0, "admitted": 0, "steps": 0, "flag_reads": 0}
+        self.stats = {"prefills": 0, "admitted": 0, "steps": 0, "flag_reads": 0, "joined": 0}
+        self._inbox: deque = deque()  # (call, i, request) of calls that joined the running loop
+        self._inbox_lock = threading.Lock()
+        self._busy = False
 
     # ---- the loop ---------------------------------------------------------------------------------------------
-    def run(self, requests: list, generator: torch.Generator) -> list:
+    def generate(self, requests: list, seed: int) -> list:
+        call = _Call([None] * len(requests), len(requests))
+        if not requests:
+            return []
+        items = [(call, i, r) for i, r in enumerate(requests)]
+        with self._inbox_lock:
+            joining = self._busy
+            if joining:
+                self._inbox.extend(items)
+                self.stats["joined"] += len(items)
+            self._busy = True
+        if joining:
+            call.done.wait()
+        else:
+            self._own(items, seed)
+        if call.error is not None:
+            raise call.error
+        return call.results
+
+    def _own(self, items: list, seed: int) -> None:
+        """Run the loop until no request is left, the joined ones included; a failure reaches every caller."""
+        calls = {id(items[0][0]): items[0][0]}
+        try:
+            self.e._start(seed)
+            self._run(deque(items), calls)  # clears _busy itself, under the lock, when it finds nothing left
+        except BaseException as err:
+            with self._inbox_lock:
+                self._busy = False
+                left, self._inbox = list(self._inbox), deque()
+            for c in [*calls.values(), *(c for c, _, _ in left)]:
+                c.fail(err)
+            raise
+        finally:
+            self.e._abort_all = False
+
+    def _run(self, waiting: deque, calls: dict) -> None:
         e = self.e
-        waiting = deque(enumerate(requests))
         active: dict[int, _Row] = {}
-        results: list = [None] * len(requests)
-        while waiting or active:
-            self._drop_aborted_waiting(waiting, results)
+        while True:
+            while self._inbox:
+                item = self._inbox.popleft()
+                calls[id(item[0])] = item[0]
+                waiting.append(item)
+            if not (waiting or active):
+                with self._inbox_lock:
+                    if not self._inbox:
+                        self._busy = False  # the next call starts its own loop
+                        return
+                continue
+            self._drop_aborted_waiting(waiting)
             free = [s for s in range(e.max_batch_size) if s not in active]
             if waiting and free:
                 take = [waiting.popleft() for _ in range(min(len(free), len(waiting)))]
-                self._admit(take, free[: len(take)], active, generator)
+                self._admit(take, free[: len(take)], active)
             if not active:
                 continue
             R = next(b for b in self.buckets if b > max(active))
             flexible = any(r.req.sampling.top_p < 1 or r.req.sampling.top_k > 0 for r in active.values())
-            for _ in range(self._steps_until_check(active, bool(waiting))):
+            for _ in range(self._steps_until_check(active, bool(waiting or self._inbox))):
                 e._running.wait()
                 if self._abort_requested(active):
                     break
@@ -117,8 +189,7 @@ class DecodeLoop:
                 self.stats["steps"] += 1
                 for r in active.values():
                     r.steps += 1
-            self._retire(active, results)
-        return results
+            self._retire(active)
 
     def _steps_until_check(self, active: dict[int, _Row], waiting: bool) -> int:
         left = min(r.req.sampling.max_new_tokens - r.steps for r in active.values())
@@ -128,37 +199,38 @@ class DecodeLoop:
     def _abort_requested(self, active: dict[int, _Row]) -> bool:
         return any(self._aborts(r) for r in active.values())
 
-    def _drop_aborted_waiting(self, waiting: deque, results: list) -> None:
+    def _drop_aborted_waiting(self, waiting: deque) -> None:
         e = self.e
         if not (e._abort_all or e._aborted):
             return
         for item in list(waiting):
-            if e._abort_all or item[1].rid in e._aborted:
+            call, i, req = item
+            if e._abort_all or req.rid in e._aborted:
                 waiting.remove(item)
-                e._aborted.discard(item[1].rid)
-                results[item[0]] = e._output(item[1], [], [], "abort")
+                e._aborted.discard(req.rid)
+                call.put(i, e._output(req, [], [], "abort"))
 
     # ---- admission: prefill once per distinct prompt ----------------------------------------------------------
-    def _admit(self, take: list, slots: list[int], active: dict[int, _Row], generator) -> None:
+    def _admit(self, take: list, slots: list[int], active: dict[int, _Row]) -> None:
         groups: dict[tuple, list[int]] = {}
-        for (_, req), slot in zip(take, slots):
+        for (_, _, req), slot in zip(take, slots):
             groups.setdefault(tuple(req.input_ids), []).append(slot)
         by_slot = {slot: item for item, slot in zip(take, slots)}
         prompts = sorted(groups, key=len)
         chunk: list[tuple] = []
         for p in prompts:
             if chunk and (len(chunk) + 1) * len(p) > self.prefill_tokens:
-                self._prefill(chunk, groups, by_slot, generator)
+                self._prefill(chunk, groups, by_slot)
                 chunk = []
             chunk.append(p)
         if chunk:
-            self._prefill(chunk, groups, by_slot, generator)
+            self._prefill(chunk, groups, by_slot)
         for slot in slots:
             active[slot] = _Row(*by_slot[slot])
         self.stats["prefills"] += len(prompts)
         self.stats["admitted"] += len(slots)
 
-    def _prefill(self, prompts: list[tuple], groups: dict, by_slot: dict, generator) -> None:
+    def _prefill(self, prompts: list[tuple], groups: dict, by_slot: dict) -> None:
         e, st, dev = self.e, self.e.state, self.e.device
         P = max(len(p) for p in prompts)
         ids = torch.zeros(len(prompts), P, dtype=torch.long)
@@ -166,7 +238,7 @@ class DecodeLoop:
             ids[u, : len(p)] = torch.tensor(p)
         slots = [s for p in prompts for s in groups[p]]
         src = [u for u, p in enumerate(prompts) for _ in groups[p]]
-        reqs = [by_slot[s][1] for s in slots]
+        reqs = [by_slot[s][2] for s in slots]
         slots_t = torch.tensor(slots, device=dev)
         self._reset_rows(slots_t, reqs)
         with e._lock:
@@ -184,7 +256,7 @@ class DecodeLoop:
                 logits,
                 st.temperature[slots_t],
                 st.seed,
-                generator,
+                e._gen,
                 top_p_R=st.top_p[slots_t] if flexible else None,
                 top_k_R=st.top_k[slots_t] if flexible else None,
             )
@@ -207,7 +279,7 @@ class DecodeLoop:
         st.stopped[slots_t] = False
 
     # ---- retiring finished rows: one read of the flags, one of the finished rows' tokens --------------------
-    def _retire(self, active: dict[int, _Row], results: list) -> None:
+    def _retire(self, active: dict[int, _Row]) -> None:
         e, st = self.e, self.e.state
         slots = sorted(active)
         idx = torch.tensor(slots, device=e.device)
@@ -228,7 +300,7 @@ class DecodeLoop:
             n = int(flags[2, i])
             reason = "abort" if slots[i] in aborted else "stop" if flags[1, i] else "length"
             e._aborted.discard(row.req.rid)
-            results[row.index] = e._output(row.req, ids[j][:n], lps[j][:n], reason)
+            row.call.put(row.i, e._output(row.req, ids[j][:n], lps[j][:n], reason))
 
     def _aborts(self, row: _Row) -> bool:
         return self.e._abort_all or row.req.rid in self.e._aborted

@@ -121,16 +121,17 @@ class EmbeddedEngine(UpdateCalls):
 
     # ---- generation -------------------------------------------------------------------------------------
     def generate(self, requests: list[GenerateRequest], *, seed: int | None = None) -> list[GenerateOutput]:
+        """Outputs in request order. A call made while another runs joins it (continuous batching across
+        calls); it then shares the running call's random stream, so ``seed`` reproduces only a call that runs alone."""
         for r in requests:
             self._check_request(r)
-        seed = seed if seed is not None else torch.seed() & 0x7FFFFFFF
+        return self.loop.generate(requests, seed if seed is not None else torch.seed() & 0x7FFFFFFF)
+
+    def _start(self, seed: int) -> None:
+        """A new decode loop starts: its random stream (the reference sampler's generator, the kernel's seed)."""
         self._gen = torch.Generator(device=self.device)
         self._gen.manual_seed(seed)
         self.state.seed.fill_(seed)
-        try:
-            return self.loop.run(requests, self._gen)
-        finally:
-            self._abort_all = False
 
     def _check_request(self, r: GenerateRequest) -> None:
         if not r.input_ids:

@@ -208,3 +208,25 @@ def test_the_fused_engine_path_decodes_greedily_and_follows_weight_updates_in_th
         outs = engine.generate(reqs)
         for r, o in zip(reqs, outs):
             assert o.output_ids == _greedy_by_full_forward(engine.model, r.input_ids, r.sampling.max_new_tokens)
+
+
+def test_a_call_made_while_another_runs_joins_its_loop_and_gets_its_own_outputs(engine):
+    engine.pause_generation("in_place")  # hold the first call's loop so the second arrives while it runs
+    first = [_req(f"a{i}", [1, 2, i + 3], max_new_tokens=12, temperature=0) for i in range(3)]
+    second = [_req(f"b{i}", [4, i + 5], max_new_tokens=5 + i, temperature=0) for i in range(3)]
+    got = {}
+    threads = [threading.Thread(target=lambda: got.update(a=engine.generate(first)))]
+    threads[0].start()
+    time.sleep(0.3)
+    threads.append(threading.Thread(target=lambda: got.update(b=engine.generate(second))))
+    threads[1].start()
+    time.sleep(0.3)
+    engine.continue_generation()
+    for t in threads:
+        t.join(timeout=20)
+    assert engine.loop.stats["joined"] == 3  # 6 requests on 4 slots: the joiners wait for free slots
+    for reqs, key in ((first, "a"), (second, "b")):
+        assert [o.rid for o in got[key]] == [r.rid for r in reqs]
+        for r, o in zip(reqs, got[key]):
+            assert o.output_ids == _greedy_by_full_forward(engine.model, r.input_ids, r.sampling.max_new_tokens)
+    assert len(engine.generate(second)) == 3  # and the loop is free again
