@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call for issue 21: the engine's gpu tests, `miles bench rollout` with a profile, and the RL step
-# (recipe h200_100m, 256 new tokens) before (main's engine, $1) and after (this tree). Run from this tree's root:
-#   bash benchmarks/rollout_gpu_run.sh /path/to/main-checkout "$OUT"
+# (recipe h200_100m, 256 new tokens) with this tree's engine and, when $1 names one, with an older tree's (the
+# 18:54Z "before" used the tree at 81b84ee: `git archive 81b84ee | tar x -C .wt-before`). From this tree's root:
+#   bash benchmarks/rollout_gpu_run.sh "" "$OUT"          # or: bash benchmarks/rollout_gpu_run.sh ../.wt-before "$OUT"
 set -o pipefail
 MAIN=$1; OUT=${2:-/tmp/out}; HERE=$PWD
 export PYTHONUNBUFFERED=1
@@ -13,6 +14,7 @@ cp benchmarks/results/rollout.gpu.json "$OUT/" 2>/dev/null
 RL="--recipe h200_100m --set num_steps=3 --set rollout.max_new_tokens=256 --set rollout.max_seq_len=320
     --set model.max_position_embeddings=512 --set trainer.warmup_sft_steps=0"
 for side in after before; do
+  [ "$side" = before ] && [ -z "$MAIN" ] && break
   [ "$side" = before ] && cd "$MAIN" || cd "$HERE"
   PYTHONPATH=/tmp/site:$PWD timeout ${RL_TIMEOUT:-80} python3 -m miles.cli train $RL --set run_dir=/tmp/rl_$side \
     > "$OUT/rl_$side.log" 2>&1
