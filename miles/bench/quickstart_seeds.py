@@ -25,10 +25,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 
-def run_seed(seed: int, overrides: list[str], timeout: int, attempts: int = 3) -> dict:
+def run_seed(seed: int, overrides: list[str], timeout: int, in_process: bool = False, attempts: int = 3) -> dict:
     for attempt in range(attempts):
         try:
-            return _run_seed(seed, overrides, timeout)
+            return _run_seed(seed, overrides, timeout, in_process)
         except RayStartTimeout:  # Ray's fixed 30 s node-registration wait, on a loaded machine; the run is not at fault
             if attempt == attempts - 1:
                 raise
@@ -38,11 +38,16 @@ class RayStartTimeout(RuntimeError):
     pass
 
 
-def _run_seed(seed: int, overrides: list[str], timeout: int) -> dict:
+def _run_seed(seed: int, overrides: list[str], timeout: int, in_process: bool) -> dict:
     with tempfile.TemporaryDirectory(prefix=f"miles-qs-seed{seed}-") as tmp:
         run_dir = Path(tmp) / "run"
-        cmd = [sys.executable, "-m", "miles.cli", "train", "--recipe", "quickstart", "--no-progress", "--set"]
-        cmd += [f"seed={seed}", f"run_dir={run_dir}", "resume=false", *overrides]
+        if in_process:
+            run_dir.mkdir()
+            cmd = [sys.executable, "-m", "miles.bench.quickstart_seeds", "--in-process-seed", str(seed), str(run_dir)]
+            cmd += overrides
+        else:
+            cmd = [sys.executable, "-m", "miles.cli", "train", "--recipe", "quickstart", "--no-progress", "--set"]
+            cmd += [f"seed={seed}", f"run_dir={run_dir}", "resume=false", *overrides]
         load_before = os.getloadavg()[0]
         t0 = time.perf_counter()
         err = Path(tmp) / "stderr"
@@ -75,6 +80,45 @@ def _run_seed(seed: int, overrides: list[str], timeout: int) -> dict:
     }
 
 
+def in_process_rewards(seed: int, overrides: list[str]) -> list[dict]:
+    """The quickstart's RL loop without Ray (``--in-process``, for a machine where Ray cannot start in its fixed
+    30 s): the same RolloutManager and TorchBackend calls as the driver (warm-up, sync, generate, train_step with
+    the step, sync), one torch thread, no handoff (it moves memory, not numbers)."""
+    import torch
+
+    from miles.config import apply_overrides
+    from miles.policy.objective import resolved_trainer
+    from miles.recipes import quickstart
+    from miles.rollout.manager import RolloutManager
+    from miles.train.torch_backend import TorchBackend
+
+    torch.set_num_threads(1)
+    cfg = apply_overrides(quickstart(), [f"seed={seed}", *overrides])
+    manager = RolloutManager(cfg)
+    trainer = TorchBackend(
+        cfg.model, resolved_trainer(cfg), seed=seed, temperature=cfg.rollout.temperature, offload_policy="none"
+    )
+
+    def sync(version: int) -> None:
+        weights = list(trainer.named_weights())
+        for engine in manager.engines:
+            engine.update_weights_from_tensor(weights, version)
+
+    trainer.set_lr(cfg.trainer.warmup_sft_lr)
+    for i in range(cfg.trainer.warmup_sft_steps):
+        trainer.sft_step(manager.sft_batches(i)[0])
+    trainer.set_lr(cfg.trainer.lr)
+    sync(0)
+    rows = []
+    for step in range(cfg.num_steps):
+        t0 = time.perf_counter()
+        batches, metrics = manager.generate(step)
+        metrics |= trainer.train_step(batches[0], step=step)
+        sync(step + 1)
+        rows.append(metrics | {"time/step": time.perf_counter() - t0})
+    return rows
+
+
 def _wait(proc: subprocess.Popen, timeout: int):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -97,14 +141,16 @@ def run(argv: list[str]) -> dict:
         default=1,
         help="runs at a time (default 1: one after the other, so wall times are comparable; more shares the cores)",
     )
+    ap.add_argument("--in-process", action="store_true", help="the loop without Ray (see in_process_rewards)")
     args = ap.parse_args(argv)
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     with ThreadPoolExecutor(args.parallel) as pool:
-        runs = list(pool.map(lambda s: run_seed(s, args.set, args.timeout), seeds))
+        runs = list(pool.map(lambda s: run_seed(s, args.set, args.timeout, args.in_process), seeds))
     gains = [r["gain"] for r in runs]
     return {
         "overrides": args.set,
         "parallel": args.parallel,
+        "mode": "in-process (no Ray, 1 torch thread)" if args.in_process else "miles train (Ray)",
         "runs": runs,
         "summary": {
             "min_gain": min(gains),
@@ -113,3 +159,13 @@ def run(argv: list[str]) -> dict:
             "passes_bar": min(gains) >= 0.3 and statistics.median(gains) >= 0.4,
         },
     }
+
+
+if (
+    __name__ == "__main__"
+):  # one in-process seed: python -m miles.bench.quickstart_seeds --in-process-seed S DIR [overrides]
+    _, flag, seed_arg, out_dir, *extra = sys.argv
+    assert flag == "--in-process-seed"
+    with open(Path(out_dir) / "metrics.jsonl", "w") as out:
+        for row in in_process_rewards(int(seed_arg), extra):
+            out.write(json.dumps(row) + "\n")

@@ -36,6 +36,7 @@ def shape_overlong(samples: list[Sample], max_len: int, buffer_len: int, factor:
     cut = 0
     for s in samples:
         if buffer_len:
+            s.metadata["score"] = s.reward  # the task's own score, before the shaping
             s.reward += overlong_penalty(len(s.response_ids), max_len, buffer_len, factor)
         if s.finish_reason == "length":
             cut += 1

@@ -61,6 +61,7 @@ def rollout_metrics(samples: list[Sample]) -> dict[str, float]:
     return {
         "reward": rewards.mean().item(),
         "reward_std": rewards.std().item() if len(samples) > 1 else 0.0,
+        "score": sum(s.metadata.get("score", s.reward) for s in samples) / len(samples),  # before DAPO's shaping
         "exact": sum(s.reward == 1.0 for s in samples) / len(samples),
         "response_len": resp_len / len(samples),
         "rollout_tokens": resp_len,

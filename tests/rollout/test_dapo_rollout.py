@@ -40,9 +40,10 @@ def test_overlong_filter_masks_truncated_responses_and_the_penalty_lowers_their_
     [batch], m = shaped.generate(0)
     cut = [s.finish_reason == "length" for s in shaped.last_samples]
     assert any(cut) and m["overlong_frac"] == sum(cut) / len(cut)  # a random model often runs to the budget
+    assert m["score"] == sum(p.reward for p in plain.last_samples) / len(cut)  # the task's score, unshaped
     for row, (s, p) in enumerate(zip(shaped.last_samples, plain.last_samples)):
         assert s.response_ids == p.response_ids  # same engine, seed and prompts: only the shaping differs
         if s.finish_reason == "length":
-            assert batch.loss_mask[row].sum() == 0 and s.reward == p.reward - 1.0
+            assert batch.loss_mask[row].sum() == 0 and s.reward == p.reward - 1.0 and s.metadata["score"] == p.reward
         else:
             assert batch.loss_mask[row].sum() == len(s.response_ids) and s.reward == p.reward
