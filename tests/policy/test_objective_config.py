@@ -31,7 +31,10 @@ from miles.recipes import quickstart
             "must be > 1 (the importance-weight cap",
         ),
         (["trainer.loss_agg=sum"], "trainer.loss_agg = 'sum' is not one of"),
-        (["trainer.lr_schedule=cosine", "trainer.lr_warmup_steps=100"], "set trainer.lr_decay_steps above the warmup"),
+        (
+            ["trainer.lr_schedule=cosine", "num_steps=50", "trainer.lr_warmup_steps=60"],
+            "set trainer.lr_decay_steps above the warmup",
+        ),
         (["trainer.lr_min_ratio=2"], "trainer.lr_min_ratio = 2.0 must be in [0, 1]"),
         (["task.name=swe", "rollout.dynamic_sampling=true"], "agent episodes (task.name = 'swe') are not resampled"),
     ],
