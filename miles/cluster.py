@@ -14,6 +14,48 @@ from miles.train.actor import TrainGroup, resolve_device
 
 log = logging.getLogger("miles")
 
+PG_READY_TIMEOUT_S = {"local": 120.0, "cluster": 1800.0}  # a joined cluster may be starting nodes (autoscaler)
+
+
+def check_device(cfg: RunConfig) -> None:
+    """Refuse device=cuda on a machine without enough CUDA devices when Ray would run here (no ray_address):
+    the placement group would wait for a GPU that never comes."""
+    import torch
+
+    if cfg.device != "cuda" or cfg.ray_address:
+        return
+    have, need = (torch.cuda.device_count() if torch.cuda.is_available() else 0), cfg.trainer.world_size
+    if have < need:
+        raise ValueError(
+            f"device = 'cuda' needs {need} CUDA device(s) (trainer.world_size = {need}) but this machine has {have} "
+            "and ray_address is empty (Ray runs here); use device=cpu (or auto), or ray_address=... to join a "
+            "cluster that has the GPUs"
+        )
+
+
+def wait_for_placement_group(pg, bundles: list[dict], timeout_s: float) -> None:
+    """Wait for ``pg`` to be placed; after ``timeout_s`` remove it and raise naming what the cluster lacks."""
+    import ray
+    from ray.exceptions import GetTimeoutError
+    from ray.util.placement_group import remove_placement_group
+
+    try:
+        ray.get(pg.ready(), timeout=timeout_s)
+        return
+    except GetTimeoutError:
+        remove_placement_group(pg)
+    need: dict[str, float] = {}
+    for b in bundles:
+        for k, v in b.items():
+            need[k] = need.get(k, 0) + v
+    have = ray.cluster_resources()
+    short = [f"{k} {v:g} (the cluster has {have.get(k, 0):g})" for k, v in sorted(need.items()) if have.get(k, 0) < v]
+    why = f"it needs {'; '.join(short)}" if short else f"the cluster has {need} in total, but other work holds it"
+    raise RuntimeError(
+        f"Ray could not place the run's {len(bundles)} bundle(s) of {bundles[0]} within {timeout_s:g} s: {why}; "
+        "lower trainer.world_size, use device=cpu, or add the resources"
+    )
+
 
 def start_ray(address: str = "", *, num_cpus: int | None = None, threads: int = 1) -> None:
     """Join ``address`` or start a local Ray. On a loaded machine the raylet's default 30 s wait for its agent's
@@ -90,6 +132,7 @@ class Cluster(PlanExecutor):
         from miles.rollout.manager import RolloutManager
 
         self.cfg = cfg
+        check_device(cfg)  # before Ray starts: a missing GPU would make the placement group wait forever
         self.owns_ray = not ray.is_initialized()
         if self.owns_ray:
             start_ray(
@@ -99,9 +142,9 @@ class Cluster(PlanExecutor):
             )
         self.device = resolve_device(cfg)
         gpu = 1 if self.device == "cuda" else 0
-        bundle = {"CPU": 1, **({"GPU": 1} if gpu else {})}
-        self.pg = placement_group([dict(bundle) for _ in range(cfg.trainer.world_size)], strategy="PACK")
-        ray.get(self.pg.ready())
+        bundles = [{"CPU": 1, **({"GPU": 1} if gpu else {})} for _ in range(cfg.trainer.world_size)]
+        self.pg = placement_group(bundles, strategy="PACK")
+        wait_for_placement_group(self.pg, bundles, PG_READY_TIMEOUT_S["cluster" if cfg.ray_address else "local"])
         self.trainer = TrainGroup(cfg, self.pg, num_gpus_per_actor=0.45 * gpu)
         # the engine side of rdt: its receive call waits inside the actor while Ray's transfer needs a second slot
         rdt = cfg.sync.transport == "rdt"

@@ -1,0 +1,40 @@
+"""A run that cannot get its devices is refused (at once, or after a bounded wait naming what is missing),
+instead of waiting forever for a placement group."""
+
+import time
+
+import pytest
+import torch
+
+from miles.config import apply_overrides
+from miles.recipes import quickstart
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_device_cuda_without_a_gpu_is_refused_before_ray_starts():
+    import ray
+
+    from miles.cluster import Cluster
+
+    if ray.is_initialized():
+        pytest.skip("a Ray session of another test is running; this test checks that none is started")
+    cfg = apply_overrides(quickstart(), ["device=cuda"])
+    t0 = time.perf_counter()
+    with pytest.raises(ValueError, match="device = 'cuda' needs 1 CUDA device.* this machine has 0 .* use device=cpu"):
+        Cluster(cfg)
+    assert time.perf_counter() - t0 < 5 and not ray.is_initialized()
+
+
+def test_a_placement_group_that_cannot_be_placed_times_out_naming_the_missing_resource(ray_session):
+    from ray.util.placement_group import placement_group, placement_group_table
+
+    from miles.cluster import wait_for_placement_group
+
+    bundles = [{"CPU": 1, "GPU": 1}] * 2
+    pg = placement_group(bundles, strategy="PACK")
+    with pytest.raises(RuntimeError, match=r"within 1 s: it needs GPU 2 \(the cluster has 0\); lower trainer"):
+        wait_for_placement_group(pg, bundles, 1.0)
+    deadline = time.monotonic() + 30
+    while placement_group_table(pg)["state"] != "REMOVED" and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert placement_group_table(pg)["state"] == "REMOVED"  # nothing left pending in the cluster
