@@ -208,6 +208,7 @@ class Cluster(PlanExecutor):
 
         try:
             self.trainer.close()
+            ray.get(self.rollout.close.remote(), timeout=60)  # stops launched engine servers (ray.kill skips atexit)
         finally:
             for a in self.trainer.actors + [self.rollout]:
                 ray.kill(a)

@@ -47,8 +47,14 @@ class RolloutConfig:
     max_new_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
-    engine: Literal["embedded", "http"] = "embedded"  # in-process engine, or the same engine over HTTP
+    # in-process engine, the same engine over HTTP (`miles serve`), or SGLang servers (miles.rollout.sglang_flags)
+    engine: Literal["embedded", "http", "sglang"] = "embedded"
     num_engines: int = 1
+    engine_urls: tuple[str, ...] = ()  # sglang: attach to these running servers instead of launching (never killed)
+    sglang_args: tuple[str, ...] = ()  # sglang: extra server flags, e.g. --tp-size,4 (sglang_flags.KNOWN_FLAGS)
+    sglang_launcher: str = "sglang.launch_server"  # module run with -m; "miles-serve" = the CPU stand-in
+    sglang_ports: str = ""  # sglang: ports of the launched servers, "30000-30007"; "" = free ports
+    engine_ready_timeout_s: float = 600.0  # sglang: how long a launched server may take to answer /health
     max_batch_size: int = 256  # KV cache rows preallocated per engine
     max_seq_len: int = 0  # KV cache length; 0 = model.max_position_embeddings
     # grpo: (r - group mean) / group std; drgrpo: r - group mean; rloo: r - mean of the group's others;
@@ -67,6 +73,7 @@ class RolloutConfig:
                 raise ValueError(f"rollout.{name} = {getattr(self, name)} must be >= 1")
         check("rollout.temperature", self.temperature, ge=1e-6, fix="greedy: use a small value like 1e-5")
         check("rollout.max_seq_len", self.max_seq_len, ge=0, fix="0 = model.max_position_embeddings")
+        check("rollout.engine_ready_timeout_s", self.engine_ready_timeout_s, gt=0, fix="seconds, e.g. 600")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"rollout.top_p = {self.top_p} must be in (0, 1]")
         check_rollout(self)
@@ -319,6 +326,9 @@ class RunConfig:
                 "sync.transport=tensor or disk-delta, or rollout.num_engines=1"
             )
         check_objective(self)
+        from miles.rollout.sglang_flags import check_sglang
+
+        check_sglang(self)  # what SGLang servers cannot do with this config, refused with the fix
         h = self.handoff
         if self.sync.source == "in_place":
             why = []

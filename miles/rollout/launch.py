@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import atexit
+import importlib.util
 import json
 import logging
 import os
@@ -16,10 +17,12 @@ import tempfile
 import threading
 import time
 import weakref
+from concurrent.futures import ThreadPoolExecutor, as_completed
 
 import httpx
 
 from miles.rollout.sglang_client import SGLangClient
+from miles.rollout.sglang_flags import STANDIN, parse_port_range, sglang_server_flags
 
 log = logging.getLogger(__name__)
 READY_PREFIX = "miles serve: listening on "  # the line a `miles serve` child prints with its URL
@@ -61,8 +64,11 @@ class ServerProcess:
 
     def launch(self) -> None:
         """Start the process without waiting (call ``wait_ready`` next); lets several servers boot in parallel."""
-        stderr = open(self.log_path, "ab") if self.log_path else None  # noqa: SIM115 - lives as long as the child
-        self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=stderr, env=self.env, text=True)
+        log = open(self.log_path, "ab") if self.log_path else None  # noqa: SIM115 - lives as long as the child
+        # a server at a fixed URL (SGLang) reports nothing we read: its stdout goes to the log with its stderr
+        stdout = log if (log and self.fixed_url) else subprocess.PIPE
+        stderr = subprocess.STDOUT if stdout is log else log
+        self.proc = subprocess.Popen(self.argv, stdout=stdout, stderr=stderr, env=self.env, text=True)
         self.url = self.fixed_url
 
     def wait_ready(self) -> str:
@@ -117,8 +123,15 @@ class ServerProcess:
         for _ in proc.stdout or ():  # keep the pipe from filling up
             pass
 
-    def _log_hint(self) -> str:
-        return f"; see {self.log_path}" if self.log_path else "; its stderr went to this process's stderr"
+    def _log_hint(self, lines: int = 20) -> str:
+        if not self.log_path:
+            return "; its stderr went to this process's stderr"
+        try:
+            with open(self.log_path, errors="replace") as f:
+                tail = f.readlines()[-lines:]
+        except OSError:
+            tail = []
+        return f"; see {self.log_path}" + (", which ends:\n" + "".join(tail).rstrip() if tail else " (empty)")
 
     @property
     def alive(self) -> bool:
@@ -246,6 +259,64 @@ def sglang_argv(
     ]
 
 
+SGLANG_HINT = (
+    "real SGLang is not installed (it needs a CUDA build): pip install 'miles[sglang]'; on CPU use "
+    "rollout.sglang_launcher=miles-serve (the stand-in) or rollout.engine=http"
+)
+
+
+def sglang_engine_argv(cfg, index: int, port: int, config_path: str = "") -> list[str]:
+    """The command of SGLang engine ``index`` for ``cfg`` (a RunConfig): ``python -m <rollout.sglang_launcher>``
+    and SGLang's flags (miles.rollout.sglang_flags); the stand-in is ``miles serve`` taking the same flags plus
+    the run config it builds its engine from."""
+    flags = sglang_server_flags(cfg.rollout, cfg.handoff, cfg.model.checkpoint, port)
+    if cfg.rollout.sglang_launcher != STANDIN:
+        return [sys.executable, "-m", cfg.rollout.sglang_launcher, *flags]
+    owner = ["--owner", f"engine/{index}", "--parent-pid", str(os.getpid())]
+    return [sys.executable, "-m", "miles.rollout.serve_cli", *flags, "--config", config_path, *owner]
+
+
+def spawn_sglang_servers(cfg, *, device: str = "", log_dir: str = "") -> list[ServerProcess]:
+    """One SGLang server per engine (``rollout.engine = "sglang"``), launched together and waited for in
+    parallel; if any fails to answer /health, every one is stopped and the error carries its log's tail."""
+    r = cfg.rollout
+    if r.sglang_launcher != STANDIN and importlib.util.find_spec(r.sglang_launcher.split(".")[0]) is None:
+        raise ImportError(SGLANG_HINT if r.sglang_launcher.startswith("sglang") else f"no module {r.sglang_launcher}")
+    ports = parse_port_range(r.sglang_ports)[: r.num_engines] or [free_port() for _ in range(r.num_engines)]
+    config_path = ""
+    if r.sglang_launcher == STANDIN:
+        d = cfg.to_dict() | ({"device": device} if device else {})
+        fd, config_path = tempfile.mkstemp(prefix="miles-serve-", suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            json.dump(d, f)
+    log_dir = log_dir or tempfile.mkdtemp(prefix="miles-sglang-logs-")
+    env = {"OMP_NUM_THREADS": str(cfg.num_threads)} if cfg.num_threads else {}
+    procs = [
+        ServerProcess(
+            sglang_engine_argv(cfg, i, port, config_path),
+            url=f"http://127.0.0.1:{port}",
+            ready_timeout_s=r.engine_ready_timeout_s,
+            env=env,
+            log_path=os.path.join(log_dir, f"engine_{i}.log"),
+        )
+        for i, port in enumerate(ports)
+    ]
+    try:
+        for p in procs:
+            p.launch()
+        with ThreadPoolExecutor(len(procs)) as pool:
+            for fut in as_completed([pool.submit(p.wait_ready) for p in procs]):
+                if fut.exception() is not None:
+                    for p in procs:  # the other waiters see their process gone and return at once
+                        p.stop()
+                    raise fut.exception()
+    except BaseException:
+        for p in procs:
+            p.stop()
+        raise
+    return procs
+
+
 def launch_sglang(
     model_path: str,
     *,
@@ -257,10 +328,7 @@ def launch_sglang(
 ) -> SGLangClient:
     """Start a real SGLang server for ``model_path`` (a HF checkpoint directory) and return a client that owns it."""
     if not sglang_available():
-        raise ImportError(
-            "real SGLang is not installed (it needs a CUDA build): pip install 'miles[sglang]'; "
-            "on CPU use rollout.engine=http, which serves the embedded engine with `miles serve`"
-        )
+        raise ImportError(SGLANG_HINT)
     port = port or free_port()
     proc = ServerProcess(
         sglang_argv(model_path, port=port, extra=list(extra)),

@@ -20,9 +20,10 @@ from miles.model.tokenizer import load_tokenizer
 from miles.policy.dapo import fill_groups, round_key
 from miles.rollout.api import ReceivesInProcess, supports
 from miles.rollout.engine import EmbeddedEngine
-from miles.rollout.launch import spawn_miles_servers
+from miles.rollout.launch import spawn_miles_servers, spawn_sglang_servers
 from miles.rollout.router import Router
 from miles.rollout.sglang_client import SGLangClient
+from miles.rollout.sglang_flags import STANDIN
 from miles.rollout.sources import SampleSource, TaskSource
 from miles.rollout.tail import RoundLog, assign_advantages, rollout_metrics, shape_overlong_of, to_shards
 from miles.samples import Sample, TrainBatch
@@ -48,6 +49,8 @@ class RolloutManager(UpdateCalls):
         policy = "host" if cfg.handoff.engine_host_mirror else "discard"
         if r.engine == "http":  # the same engines behind `miles serve` processes (a Router when num_engines > 1)
             self.engines = spawn_http_engines(cfg, device, self.ledger)
+        elif r.engine == "sglang":  # SGLang servers, launched (one per engine) or attached (rollout.engine_urls)
+            self.engines = sglang_engines(cfg, device, self.ledger)
         else:
             self.engines = [
                 EmbeddedEngine(
@@ -162,11 +165,12 @@ class RolloutManager(UpdateCalls):
     # ---- engine control (the handoff plan and weight sync call these) -------------------------------------
     @on_compute_thread
     def offload(self, tags) -> int:
-        return sum(e.release_memory(list(tags)) for e in self.engines)
+        """No call at all for no tags (SGLang reads a missing tag list as every tag)."""
+        return sum(e.release_memory(list(tags)) for e in self.engines) if tags else 0
 
     @on_compute_thread
     def onload(self, tags) -> int:
-        return sum(e.resume_memory(list(tags)) for e in self.engines)
+        return sum(e.resume_memory(list(tags)) for e in self.engines) if tags else 0
 
     # ---- weight sync receive side (miles.sync.receiver): one transfer per process, applied to every engine ----
     # (the calls every engine takes alike are fanned out below the class: FANNED_OUT)
@@ -225,8 +229,14 @@ class RolloutManager(UpdateCalls):
         return [e.weight_version for e in self.engines]
 
     def close(self) -> None:
-        """Stop what the sample source started (an agent source's servers and harness)."""
-        self.source.close()
+        """Stop what the sample source started (an agent source's servers and harness) and the engine servers this
+        manager launched (attached rollout.engine_urls servers are only disconnected)."""
+        try:
+            self.source.close()
+        finally:
+            for e in self.engines:
+                if hasattr(e, "url") or hasattr(e, "clients"):  # HTTP engines: a client or a Router
+                    e.close()
 
     def drain_ledger(self):
         for i, _ in enumerate(self.engines):
@@ -242,6 +252,33 @@ def spawn_http_engines(cfg, device: str, ledger=None) -> list:
     if n == 1:
         return clients
     router = Router(clients, restart=lambda i: procs[i].restart())
+    router.start_health_checks()
+    return [router]
+
+
+def sglang_engines(cfg, device: str, ledger=None) -> list:
+    """The engines for ``rollout.engine = "sglang"``: clients of servers launched here (stopped on close), or of
+    ``rollout.engine_urls`` (attached: never stopped, never restarted); a Router when there are several."""
+    r = cfg.rollout
+    flavor = "miles" if r.sglang_launcher == STANDIN else "sglang"  # the stand-in takes miles' tensor payloads
+    if r.engine_urls:
+        clients = [SGLangClient(url, flavor=flavor, ledger=None) for url in r.engine_urls]
+        dead = [c.url for c in clients if not c.healthy(timeout_s=5.0)]
+        if dead:
+            for c in clients:
+                c.close()  # closes our HTTP connections only: these servers are not ours
+            raise RuntimeError(
+                f"rollout.engine_urls {dead} did not answer GET /health within 5 s; start the server(s) there, "
+                "fix the URL(s), or drop rollout.engine_urls to launch servers here"
+            )
+        restart = None
+    else:
+        procs = spawn_sglang_servers(cfg, device=device)
+        clients = [SGLangClient(p.url, flavor=flavor, ledger=ledger, process=p) for p in procs]
+        restart = lambda i: procs[i].restart()  # noqa: E731
+    if len(clients) == 1:
+        return clients
+    router = Router(clients, restart=restart)
     router.start_health_checks()
     return [router]
 

@@ -49,7 +49,24 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--parent-pid", type=int, default=0, help="exit when this process is gone (set by spawners)")
     p.add_argument("--log-level", default="warning")
+    _sglang_flags(p)
     return p
+
+
+def _sglang_flags(p: argparse.ArgumentParser) -> None:
+    """SGLang's launch flags (miles.rollout.sglang_flags), so `miles serve` stands in for ``sglang.launch_server``
+    (``rollout.sglang_launcher=miles-serve``): --host, --port, --api-key and --log-level act as above; the rest
+    are accepted and ignored, the engine being built from --config (--enable-weights-cpu-backup is its
+    handoff.engine_host_mirror, release/resume by tag needs no --enable-memory-saver here)."""
+    from miles.rollout.sglang_flags import KNOWN_FLAGS
+
+    g = p.add_argument_group("SGLang's flags (accepted for the stand-in launcher; ignored)")
+    switches = {"--enable-memory-saver", "--skip-server-warmup", "--enable-weights-cpu-backup"}
+    for flag, takes_value in {**KNOWN_FLAGS, "--model-path": True, **dict.fromkeys(switches, False)}.items():
+        if flag in ("--api-key", "--log-level"):
+            continue
+        dest = "sglang_" + flag[2:].replace("-", "_")
+        g.add_argument(flag, dest=dest, default=None, **({} if takes_value else {"action": "store_true"}))
 
 
 def _port(text: str) -> int:
