@@ -108,7 +108,9 @@ def parse_port_range(spec: str) -> list[int]:
     try:
         first, last = int(lo), int(hi) if sep else int(lo)
     except ValueError:
-        raise ValueError(f"rollout.sglang_ports = {spec!r} should be a port ('30000') or a range ('30000-30007')")
+        raise ValueError(
+            f"rollout.sglang_ports = {spec!r} should be a port ('30000') or a range ('30000-30007')"
+        ) from None
     if not 1 <= first <= last <= 65535:
         raise ValueError(f"rollout.sglang_ports = {spec!r}: need 1 <= first <= last <= 65535")
     return list(range(first, last + 1))
@@ -130,7 +132,7 @@ def sglang_server_flags(rollout, handoff, model_checkpoint: str, port: int, host
 
 def check_sglang(cfg) -> None:
     """Config-time refusals for ``rollout.engine = "sglang"`` (a RunConfig), each with the reason and the fix."""
-    r, s = cfg.rollout, cfg.sync
+    r = cfg.rollout
     if r.engine != "sglang":
         if r.engine_urls or r.sglang_args or r.sglang_ports:
             raise ValueError(
