@@ -30,7 +30,7 @@ def test_overrides_parse_values_by_field_type():
         ("rollout.n_samples_per_prompt=2.5", "is not an integer"),
         ("sync.check_weights=maybe", "is not a boolean; use true or false"),
         ("trainer.lr=5", "trainer.lr = 5.0 is out of range"),
-        ("rollout.engine=vllm", "rollout.engine = 'vllm' is not one of ['embedded', 'http']"),
+        ("rollout.engine=vllm", "rollout.engine = 'vllm' is not one of ['embedded', 'http', 'sglang']"),
         (
             "handoff.offload_rollout_level=kv_cache,weights",
             "unknown level(s) ['weights']; valid levels: ['kv_cache', 'weight']",

@@ -172,14 +172,13 @@ def test_each_handoff_plan_engine_step_makes_exactly_its_release_or_resume_call(
 
     manager, calls = recorded_manager
     cfg = _standin(tmp_path, f"handoff.colocate_memory_peak_device={mode}", f"handoff.offload_rollout_level={level}")
-    manager.cfg = cfg  # the manager's level guard reads cfg.handoff, as the plan does
     plan = HandoffPlan.from_config(cfg.handoff)
     for phase, steps in plan.phases().items():
         engine_steps = [s for s in steps if s.owner == "engine"]
         assert engine_steps, phase
         for step in engine_steps:
             calls.clear()
-            getattr(manager, step.verb)()
+            (manager.offload if step.verb.startswith("offload") else manager.onload)(step.tags)  # as PlanExecutor
             sent = [(c.url.path, json.loads(c.content)["tags"]) for c in calls if not c.url.path.startswith("/miles/")]
             path = "/release_memory_occupation" if step.verb.startswith("offload") else "/resume_memory_occupation"
             assert sent == ([(path, list(step.tags))] if step.tags else []), (phase, str(step))
