@@ -183,3 +183,16 @@ def test_each_handoff_plan_engine_step_makes_exactly_its_release_or_resume_call(
             path = "/release_memory_occupation" if step.verb.startswith("offload") else "/resume_memory_occupation"
             assert sent == ([(path, list(step.tags))] if step.tags else []), (phase, str(step))
             assert set(step.tags) <= {"weights", "kv_cache", "cuda_graph"}
+
+
+def test_the_readme_gb300_command_validates_and_launches_sglang_with_a_host_mirror_over_four_gpus():
+    from miles.config import apply_overrides
+    from miles.recipes import get_recipe
+
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "..", "README.md")).read()
+    block = readme[readme.index("miles train --recipe gb300_qwen3_235b_plan") :].split("```")[0]
+    sets = [s.split()[0].strip("'") for s in block.split("--set ")[1:]]
+    assert "rollout.engine=sglang" in sets and len(sets) == 9
+    cfg = apply_overrides(get_recipe("gb300_qwen3_235b_plan"), sets)
+    argv = sglang_engine_argv(cfg, 0, 30000)
+    assert argv[2] == "sglang.launch_server" and argv[-3:] == ["--enable-weights-cpu-backup", "--tp-size", "4"]
