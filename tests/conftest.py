@@ -1,4 +1,14 @@
-"""Shared fixtures: a tiny model config, a session-wide local Ray, a GPU skip marker."""
+"""Shared fixtures (a tiny model config, a session-wide local Ray) and the test tiers, cheapest first:
+
+- ``unit``: pure logic in one process (seconds in all);
+- ``procs``: several processes or servers: real Ray, gloo groups, child processes, HTTP servers;
+- ``browser``: headless Chromium against the dashboard;
+- ``notebook``: the notebooks, run top to bottom by nbval;
+- ``gpu``: needs a CUDA device (skipped without one).
+
+Every collected item gets exactly one of them, from its file (PROCS, BROWSER) or its kind, so that for example
+``python -m pytest -m unit`` runs the fast tier and ``-m "not notebook"`` leaves the notebooks out.
+"""
 
 from __future__ import annotations
 
@@ -11,13 +21,51 @@ from miles.config import apply_overrides
 from miles.model.config import ModelConfig
 from miles.recipes import quickstart
 
+PROCS = {  # test files that start Ray, child processes, process groups or HTTP servers
+    "agents/test_agent_abort.py",
+    "agents/test_agent_harness.py",
+    "agents/test_agent_http_engine.py",
+    "agents/test_agent_recipe.py",
+    "agents/test_agent_session.py",
+    "dashboard/test_dashboard_api.py",
+    "dashboard/test_dashboard_guard.py",
+    "model/test_smollm2.py",
+    "optim/test_optim_offload_disk.py",
+    "rollout/test_router_failover.py",
+    "rollout/test_server_bucket_files.py",
+    "rollout/test_server_guard.py",
+    "rollout/test_server_http.py",
+    "rollout/test_server_requests.py",
+    "rollout/test_sglang_client_driver.py",
+    "rollout/test_sglang_client_manager.py",
+    "sync/test_disk_delta_multirank.py",
+    "sync/test_sync_transports.py",
+    "test_cli.py",
+    "test_driver.py",
+    "test_threads.py",
+    "train/test_fsdp2.py",
+}
+BROWSER = {"dashboard/test_dashboard_browser.py"}
+TESTS = os.path.dirname(os.path.abspath(__file__))
 
+
+def tier(item) -> str:
+    path = str(item.path)
+    if path.endswith(".ipynb"):
+        return "notebook"
+    if "gpu" in item.keywords:
+        return "gpu"
+    rel = os.path.relpath(path, TESTS).replace(os.sep, "/")
+    return "browser" if rel in BROWSER else "procs" if rel in PROCS else "unit"
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by mark
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA device")
+    skip = None if torch.cuda.is_available() else pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
-        if "gpu" in item.keywords:
+        t = tier(item)
+        item.add_marker(getattr(pytest.mark, t))
+        if t == "gpu" and skip is not None:
             item.add_marker(skip)
 
 
