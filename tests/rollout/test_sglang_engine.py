@@ -163,26 +163,54 @@ def recorded_manager(tmp_path_factory):
     assert not client.process.alive  # the manager stops the server it launched
 
 
+class _TrainerSide:
+    """The trainer's side of a plan, which makes no engine HTTP call (the sync step's calls are the sync's tests)."""
+
+    def build(self): ...
+
+    def clear_memory(self): ...
+
+    def offload(self, tags):
+        return [0]
+
+    def onload(self, tags):
+        return [0]
+
+    def update_weights(self, version):
+        return [{}]
+
+
 @pytest.mark.parametrize("mode", ["cpu", "gpu"])
 @pytest.mark.parametrize("level", ["kv_cache,weight", "kv_cache"])
-def test_each_handoff_plan_engine_step_makes_exactly_its_release_or_resume_call(
+def test_each_handoff_plan_phase_sends_exactly_its_engine_steps_release_and_resume_calls_in_order(
     recorded_manager, tmp_path, mode, level
 ):
     import json
 
+    from miles.plan_executor import PlanExecutor
+
     manager, calls = recorded_manager
     cfg = _standin(tmp_path, f"handoff.colocate_memory_peak_device={mode}", f"handoff.offload_rollout_level={level}")
     plan = HandoffPlan.from_config(cfg.handoff)
+    executor = PlanExecutor()
+    executor.rollout, executor.trainer = manager, _TrainerSide()  # the executor a run uses, over this manager
+    everything = []
     for phase, steps in plan.phases().items():
-        engine_steps = [s for s in steps if s.owner == "engine"]
-        assert engine_steps, phase
-        for step in engine_steps:
-            calls.clear()
-            (manager.offload if step.verb.startswith("offload") else manager.onload)(step.tags)  # as PlanExecutor
-            sent = [(c.url.path, json.loads(c.content)["tags"]) for c in calls if not c.url.path.startswith("/miles/")]
-            path = "/release_memory_occupation" if step.verb.startswith("offload") else "/resume_memory_occupation"
-            assert sent == ([(path, list(step.tags))] if step.tags else []), (phase, str(step))
-            assert set(step.tags) <= {"weights", "kv_cache", "cuda_graph"}
+        calls.clear()
+        executor.execute(steps, version=1, phase=phase)
+        sent = [(c.url.path, json.loads(c.content)["tags"]) for c in calls if not c.url.path.startswith("/miles/")]
+        expected = [
+            (
+                "/release_memory_occupation" if s.verb.startswith("offload") else "/resume_memory_occupation",
+                list(s.tags),
+            )
+            for s in steps
+            if s.owner == "engine" and s.tags
+        ]
+        assert sent == expected and expected, (phase, plan.describe())
+        assert {t for _, tags in sent for t in tags} <= {"weights", "kv_cache", "cuda_graph"}
+        everything += sent
+    assert any("weights" in tags for _, tags in everything) == ("weight" in level), everything
 
 
 def test_the_readme_gb300_command_validates_and_launches_sglang_with_a_host_mirror_over_four_gpus():
