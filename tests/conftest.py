@@ -38,6 +38,8 @@ PROCS = {  # test files that start Ray, child processes, process groups or HTTP 
     "rollout/test_server_requests.py",
     "rollout/test_sglang_client_driver.py",
     "rollout/test_sglang_client_manager.py",
+    "rollout/test_sglang_engine.py",
+    "rollout/test_sglang_engine_loop.py",
     "sync/test_disk_delta_multirank.py",
     "sync/test_sync_transports.py",
     "test_cli.py",
