@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 import httpx
 
 from miles.rollout.sglang_client import SGLangClient
-from miles.rollout.sglang_flags import STANDIN, parse_port_range, sglang_server_flags
+from miles.rollout.sglang_flags import STANDIN, engine_gpus, parse_port_range, sglang_server_flags
 
 log = logging.getLogger(__name__)
 READY_PREFIX = "miles serve: listening on "  # the line a `miles serve` child prints with its URL
@@ -291,12 +291,13 @@ def spawn_sglang_servers(cfg, *, device: str = "", log_dir: str = "") -> list[Se
             json.dump(d, f)
     log_dir = log_dir or tempfile.mkdtemp(prefix="miles-sglang-logs-")
     env = {"OMP_NUM_THREADS": str(cfg.num_threads)} if cfg.num_threads else {}
+    gpus = (lambda i: {}) if r.sglang_launcher == STANDIN else (lambda i: {"CUDA_VISIBLE_DEVICES": _ids(r, i)})
     procs = [
         ServerProcess(
             sglang_engine_argv(cfg, i, port, config_path),
             url=f"http://127.0.0.1:{port}",
             ready_timeout_s=r.engine_ready_timeout_s,
-            env=env,
+            env=env | gpus(i),
             log_path=os.path.join(log_dir, f"engine_{i}.log"),
         )
         for i, port in enumerate(ports)
@@ -315,6 +316,10 @@ def spawn_sglang_servers(cfg, *, device: str = "", log_dir: str = "") -> list[Se
             p.stop()
         raise
     return procs
+
+
+def _ids(rollout, index: int) -> str:
+    return ",".join(map(str, engine_gpus(rollout, index)))
 
 
 def launch_sglang(

@@ -207,3 +207,14 @@ def _transport_refusal(cfg, standin: bool) -> str:
             "handles, which open only on the same machine; use sync.transport=broadcast"
         )
     return ""
+
+
+def engine_gpus(rollout, index: int) -> list[int]:
+    """The node-local GPU ids engine ``index`` is launched on: ``tp * pp * dp / nnodes`` GPUs each, engines side by
+    side (the launching actor's CUDA_VISIBLE_DEVICES, one GPU under Ray, is replaced for the server)."""
+    flags = parse_flags(rollout.sglang_args)
+    size = 1
+    for flag in ("--tp-size", "--pp-size", "--dp-size"):
+        size *= int(flags.get(flag) or 1)
+    per_engine = max(1, size // int(flags.get("--nnodes") or 1))
+    return list(range(index * per_engine, (index + 1) * per_engine))

@@ -224,3 +224,14 @@ def test_the_readme_gb300_command_validates_and_launches_sglang_with_a_host_mirr
     cfg = apply_overrides(get_recipe("gb300_qwen3_235b_plan"), sets)
     argv = sglang_engine_argv(cfg, 0, 30000)
     assert argv[2] == "sglang.launch_server" and argv[-3:] == ["--enable-weights-cpu-backup", "--tp-size", "4"]
+
+
+def test_each_launched_engine_gets_its_own_node_gpus_from_its_parallel_sizes(tmp_path):
+    from miles.rollout.sglang_flags import engine_gpus
+
+    one = _cfg(tmp_path, "rollout.num_engines=4").rollout
+    assert [engine_gpus(one, i) for i in range(4)] == [[0], [1], [2], [3]]
+    tp2 = _cfg(tmp_path, "rollout.num_engines=2", "rollout.sglang_args=--tp-size,2").rollout
+    assert [engine_gpus(tp2, i) for i in range(2)] == [[0, 1], [2, 3]]
+    two_nodes = _cfg(tmp_path, "rollout.sglang_args=--tp-size,8,--nnodes,2").rollout
+    assert engine_gpus(two_nodes, 0) == [0, 1, 2, 3]
