@@ -27,6 +27,7 @@ PROCS = {  # test files that start Ray, child processes, process groups or HTTP 
     "agents/test_agent_http_engine.py",
     "agents/test_agent_recipe.py",
     "agents/test_agent_session.py",
+    "data/test_dataset_run.py",
     "dashboard/test_dashboard_api.py",
     "dashboard/test_dashboard_guard.py",
     "model/test_smollm2.py",
@@ -43,11 +44,12 @@ PROCS = {  # test files that start Ray, child processes, process groups or HTTP 
     "sync/test_disk_delta_multirank.py",
     "sync/test_sync_transports.py",
     "test_cli.py",
+    "test_cluster_start.py",
     "test_driver.py",
     "test_threads.py",
     "train/test_fsdp2.py",
 }
-BROWSER = {"dashboard/test_dashboard_browser.py"}
+BROWSER = {"dashboard/test_dashboard_browser.py", "dashboard/test_dashboard_workbench.py"}
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -58,7 +60,9 @@ def tier(item) -> str:
     if "gpu" in item.keywords:
         return "gpu"
     rel = os.path.relpath(path, TESTS).replace(os.sep, "/")
-    return "browser" if rel in BROWSER else "procs" if rel in PROCS else "unit"
+    if rel in BROWSER:
+        return "browser"
+    return "procs" if rel in PROCS or "ray_session" in getattr(item, "fixturenames", ()) else "unit"
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by mark
