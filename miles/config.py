@@ -138,7 +138,7 @@ class TrainerConfig:
             "trainer.eps_clip_high", self.eps_clip_high, ge=0, fix="the upper ratio clip 1 + eps_clip_high, e.g. 0.28"
         )
         check("trainer.kl_coef", self.kl_coef, ge=0, fix="0 turns the KL term (and the reference model) off")
-        check("trainer.optimizer_offload_chunk_bytes", self.optimizer_offload_chunk_bytes, ge=4096, fix="e.g. 64MiB")
+        check("trainer.optimizer_offload_chunk_bytes", self.optimizer_offload_chunk_bytes, ge=1, fix="e.g. 64MiB")
         check("trainer.num_minibatches", self.num_minibatches, ge=1, fix="optimizer steps per rollout batch, e.g. 1")
         check("trainer.logprob_chunk_size", self.logprob_chunk_size, ge=1, fix="tokens per chunk, e.g. 1024")
         if self.megatron_attention not in ("local", "sdpa"):

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from miles.config import apply_overrides
-from miles.dashboard.store import RunDirReader
+from miles.dashboard.store import ROLLOUTS, RunDirReader, step_dir_name
 from miles.data.dataset import PromptDataset, load_rows
 from miles.data.generate import generated_train, held_out_rows, split_path
 from miles.driver import train
@@ -60,7 +60,8 @@ def _metrics(cfg):
 def _prompts(cfg, step):
     reader = RunDirReader(cfg.run_dir)
     n = len(reader.step_index(step)["samples"])
-    return [reader.sample_meta(step, i)["prompt_text"] for i in range(0, n, 4)]  # one per group
+    step_dir = reader.path(ROLLOUTS, step_dir_name(step))
+    return [reader._texts(step_dir, reader.sample_meta(step, i))["prompt_text"] for i in range(0, n, 4)]  # per group
 
 
 def test_eval_rows_land_in_metrics_at_start_every_and_end_and_eval_prompts_are_never_trained(tmp_path, ray_session):
