@@ -81,16 +81,9 @@ EXTRA = {
 }  # the trainer's weights stay put
 
 
-_ENGINE_NAN = pytest.mark.xfail(
-    reason="known regression (issue 21): the rewritten engine's sampler sees inf/nan after a disk-delta or in-place "
-    "sync on CPU ('probability tensor contains inf/nan'); found at the end of the session, not yet fixed",
-    strict=False,
-)
-
-
 @pytest.mark.parametrize(
     "transport",
-    ["broadcast", "rdt", pytest.param("disk-delta", marks=_ENGINE_NAN), pytest.param("tensor", marks=_ENGINE_NAN)],
+    ["broadcast", "rdt", "disk-delta", "tensor"],
     ids=["broadcast", "rdt", "disk-delta", "tensor-in-place"],
 )
 def test_every_transport_carries_the_loop_and_the_engine_matches_the_trainer_after_each_sync(

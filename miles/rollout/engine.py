@@ -234,7 +234,14 @@ class EmbeddedEngine(UpdateCalls):
     def resume_memory(self, tags: Iterable[str]) -> int:
         tags = _check_tags(tags)
         with self._lock:
-            return self.memory.resume(tags, phase="resume_" + "+".join(tags))
+            moved = self.memory.resume(tags, phase="resume_" + "+".join(tags))
+            if "kv_cache" in tags and not self.fast:
+                # a discarded cache resumes with the allocator's bytes, NaN included; the reference attention
+                # masks positions past each row's length, but a mask lets NaN through (0 * NaN), so start clean.
+                # The Triton kernel reads only filled positions and needs no memset.
+                for t in self.cache.tensors():
+                    t.zero_()
+            return moved
 
     # ---- weights ------------------------------------------------------------------------------------------
     def _target(self, name: str) -> torch.Tensor:

@@ -69,6 +69,27 @@ def test_release_and_resume_free_and_restore_memory(engine):
     assert engine.weight_version == 0
 
 
+def test_a_kv_cache_resumed_with_garbage_generates_as_a_clean_one(engine, monkeypatch):
+    # kv_cache is 'discard': after release/resume its bytes are whatever the allocator hands back, NaN included,
+    # and ragged rows leave positions past a row's length inside the reference attention's window.
+    reqs = [_req(str(i), [1, 2, 3][: 1 + i % 3], max_new_tokens=8, temperature=1.0) for i in range(6)]
+    clean = engine.generate(reqs, seed=7)
+    engine.release_memory(["kv_cache"])
+    resume = engine.memory.resume
+
+    def resume_with_garbage(tags, phase=None):
+        moved = resume(tags, phase)
+        for t in engine.cache.tensors():
+            t.fill_(float("nan"))  # what a reused allocation may hold
+        return moved
+
+    monkeypatch.setattr(engine.memory, "resume", resume_with_garbage)
+    engine.resume_memory(["kv_cache"])
+    poisoned = engine.generate(reqs, seed=7)
+    assert [o.output_ids for o in poisoned] == [o.output_ids for o in clean]
+    assert [o.output_log_probs for o in poisoned] == [o.output_log_probs for o in clean]
+
+
 def test_weight_update_is_validated_before_anything_is_written(engine):
     named = engine.named_weights()
     w = {k: v.clone() for k, v in named.items()}
