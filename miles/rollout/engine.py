@@ -103,9 +103,9 @@ class EmbeddedEngine(UpdateCalls):
         self.logits = torch.empty(max_batch_size, model_cfg.vocab_size, dtype=dtype, device=self.device)
         self.graphs = None
         if self.fast:
-            from miles.rollout.cuda_graphs import DecodeGraphs, pool_bytes
+            from miles.rollout.cuda_graphs import DecodeGraphs, pool_segments
 
-            self.graphs = DecodeGraphs(owner, self.ledger, reserve=pool_bytes(model_cfg, max_batch_size))
+            self.graphs = DecodeGraphs(owner, self.ledger, reserve=pool_segments(model_cfg, max_batch_size))
         # with graphs, the logits buffer they write is theirs; the eager (CPU) engine keeps the tag empty
         self.memory.register("cuda_graph", [self.logits] if self.graphs else [], policy="discard")
         self.loop = DecodeLoop(self)

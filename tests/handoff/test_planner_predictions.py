@@ -117,14 +117,14 @@ def test_kept_arenas_are_reused_by_size_and_the_planner_counts_them_for_the_whol
 
 
 def test_the_embedded_engines_cuda_graph_tag_is_planned_on_a_gpu_and_empty_on_the_cpu():
-    from miles.rollout.cuda_graphs import graph_tag_storages, pool_bytes
+    from miles.rollout.cuda_graphs import graph_tag_storages, logits_bytes, pool_segments
 
     cfg = get_recipe("h200_100m")
     gpu, cpu = plan(cfg, "h200"), plan(cfg, "cpu")
     graphs = gpu.sizes.tags[("engine", "cuda_graph")]
     m, rows = cfg.model, cfg.rollout.max_batch_size
-    assert graphs.bytes == sum(graph_tag_storages(m, rows)) == rows * m.vocab_size * 2 + sum(pool_bytes(m, rows))
-    assert all(n % (2 << 20) == 0 for n in pool_bytes(m, rows)) and ("engine", "cuda_graph") not in cpu.sizes.tags
+    assert graphs.bytes == sum(graph_tag_storages(m, rows)) == logits_bytes(m, rows) + sum(pool_segments(m, rows))
+    assert logits_bytes(m, rows) == rows * m.vocab_size * 2 and ("engine", "cuda_graph") not in cpu.sizes.tags
     offload = next(s for s in gpu.steps if s.phase == "rollout_to_train" and "cuda_graph" in s.moved)
     assert offload.moved["cuda_graph"] == graphs.bytes  # released with the KV cache at every handoff
 
