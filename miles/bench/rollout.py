@@ -42,6 +42,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-hf", action="store_true")
     p.add_argument("--cpu", action="store_true", help="the small CPU variant")
     p.add_argument("--profile", default="", help="write a torch.profiler summary of one 0.5B run to this file")
+    p.add_argument("--profile-rows", type=int, default=64, help="rows of the profiled run")
     p.add_argument("--json", action="store_true", help="accepted for the CLI; the result is always JSON")
     return p
 
@@ -186,7 +187,7 @@ def run(argv: list[str]) -> dict:
                 print(_fmt(table[-1]), flush=True)
     out = {"ceilings": ceil, "prompt_len": args.prompt_len, "group": args.group, "table": table}
     if args.profile and device != "cpu":
-        out["profile"] = profile(args.profile, args.prompt_len, args.group)
+        out["profile"] = profile(args.profile, args.prompt_len, args.group, args.profile_rows)
     return out
 
 
@@ -217,23 +218,23 @@ def _fmt(r: dict) -> str:
     return s + f" mismatch mean {e['mismatch']['mean']:.2e} max {e['mismatch']['max']:.2e}"
 
 
-def profile(path: str, prompt: int, group: int) -> str:
-    """torch.profiler over one 0.5B, 64-row, 64-token generate (graphs replayed) and one eager step sequence."""
+def profile(path: str, prompt: int, group: int, rows: int = 64) -> str:
+    """torch.profiler over one 0.5B, ``rows``-row, 64-token generate (graphs replayed) and the same run eager."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as prof
 
     cfg = model_cfg("0.5b", prompt + 64, "cuda")
     from miles.rollout.engine import EmbeddedEngine
 
-    engine = EmbeddedEngine(cfg, max_batch_size=64, max_seq_len=prompt + 64, device="cuda")
-    reqs = requests(64, prompt, 64, group, cfg.vocab_size)
+    engine = EmbeddedEngine(cfg, max_batch_size=rows, max_seq_len=prompt + 64, device="cuda")
+    reqs = requests(rows, prompt, 64, group, cfg.vocab_size)
     engine.generate(reqs, seed=0)
     with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
         engine.generate(reqs, seed=1)
         torch.cuda.synchronize()
     graphs, engine.graphs = engine.graphs, None
     with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as q:
-        engine.generate(reqs[:64], seed=2)
+        engine.generate(reqs, seed=2)
         torch.cuda.synchronize()
     engine.graphs = graphs
     text = "== graphed ==\n" + p.key_averages().table(sort_by="cuda_time_total", row_limit=25)
