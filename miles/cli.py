@@ -17,6 +17,7 @@ import os
 import sys
 import textwrap
 import traceback
+from pathlib import Path
 
 EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 1, 2, 130
 BAD_INPUT = (ValueError, OverflowError, ImportError, FileNotFoundError, NotADirectoryError, IsADirectoryError)
@@ -36,8 +37,27 @@ def _train(args) -> int:
     return 0
 
 
+def _benchmarks():
+    """The checkout's ``benchmarks`` package: the benchmarks are not part of the installed ``miles`` package, so
+    they are found in the repository that holds this ``miles`` (an editable install or PYTHONPATH) or in the
+    working directory or one of its parents."""
+    here = Path(__file__).resolve().parents[1]
+    for root in (here, Path.cwd(), *Path.cwd().parents):
+        if (root / "benchmarks" / "__init__.py").is_file():
+            if str(root) not in sys.path:
+                sys.path.insert(0, str(root))
+                # benchmarks that run a side in a child process (``python -m benchmarks.x``) find it too
+                os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
+            return importlib.import_module("benchmarks")
+    raise ValueError(
+        "miles bench runs the benchmarks of a checkout of the miles repository (benchmarks/ is not installed "
+        f"with the package; none found above {Path.cwd()}): git clone the repository, pip install -e . in it "
+        "and run miles bench from there"
+    )
+
+
 def _bench(args) -> int:
-    import miles.bench as bench
+    bench = _benchmarks()
 
     if args.name is None:
         print(_bench_parser().format_help(), file=sys.stderr)
@@ -102,11 +122,14 @@ def _add_train(sub) -> None:
 
 
 def _bench_parser(sub=None) -> argparse.ArgumentParser:
-    import miles.bench as bench
-
+    try:
+        names = ", ".join(_benchmarks().available())
+    except ValueError as e:  # an install without a checkout: the help says how to get the benchmarks
+        names = f"none here ({e})"
     kw = dict(
-        description="Run a named benchmark; its JSON goes to benchmarks/results/ (see BENCHMARKS.md).",
-        epilog=textwrap.fill(f"benchmarks: {', '.join(bench.available())}", 100, break_on_hyphens=False),
+        description="Run a named benchmark of a checkout's benchmarks/; its JSON goes to benchmarks/results/ "
+        "(see BENCHMARKS.md).",
+        epilog=textwrap.fill(f"benchmarks: {names}", 100, break_on_hyphens=False),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     b = (

@@ -7,6 +7,33 @@ import os
 from miles.config import HandoffConfig, RolloutConfig, RunConfig, SyncConfig, TaskConfig, TrainerConfig
 from miles.model.config import ModelConfig
 
+# Overrides that resize the quickstart's model: 'cpu' a 4-layer toy, '1b' a ~1B-parameter bf16 Llama-style decoder
+# for one GPU (notebooks 01 and 02 at SIZE=gpu, `miles bench handoff --size 1b`).
+MODEL_SIZES = {
+    "cpu": [
+        "model.hidden_size=256",
+        "model.intermediate_size=768",
+        "model.num_hidden_layers=4",
+        "model.num_attention_heads=4",
+        "model.num_key_value_heads=2",
+        "model.head_dim=64",
+        "rollout.max_batch_size=32",
+    ],
+    "1b": [
+        "model.architecture=llama",
+        "model.attention_bias=false",
+        "model.hidden_size=2048",
+        "model.intermediate_size=5632",
+        "model.num_hidden_layers=22",
+        "model.num_attention_heads=16",
+        "model.num_key_value_heads=4",
+        "model.head_dim=128",
+        "model.dtype=bfloat16",
+        "model.tie_word_embeddings=false",
+        "rollout.max_batch_size=64",
+    ],
+}
+
 
 def quickstart() -> RunConfig:
     """The CPU default: a ~0.8M-parameter Qwen2-style decoder learns to reverse letters in a few minutes."""

@@ -48,11 +48,23 @@ def test_train_help_lists_every_recipe_and_documents_recipe_and_force():
 
 
 def test_bench_help_lists_every_benchmark_and_a_bare_miles_bench_prints_that_usage_with_exit_2():
-    from miles.bench import available
+    from benchmarks import available
 
     assert all(name in miles("bench", "--help").stdout for name in available())
     bare = miles("bench")
     assert bare.returncode == EXIT_BAD_INPUT and "usage: miles bench" in bare.stderr and "weight-sync" in bare.stderr
+
+
+def test_miles_bench_from_a_checkout_subdirectory_finds_the_benchmarks_and_without_a_checkout_says_how_to_get_them(
+    tmp_path, monkeypatch
+):
+    import miles.cli as cli
+
+    assert "weight-sync" in miles("bench", "--help", cwd=ROOT / "notebooks").stdout
+    monkeypatch.setattr(cli, "__file__", str(tmp_path / "site-packages" / "miles" / "cli.py"))  # an installed miles
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="benchmarks/ is not installed with the package.*git clone"):
+        cli._benchmarks()
 
 
 @pytest.mark.parametrize(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from miles.bench.dashboard import synthetic_run
+from miles.dashboard.synthetic import synthetic_run
 
 LONG_TOKENS = 65536
 

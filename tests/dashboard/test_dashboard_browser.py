@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from miles.bench.dashboard import CHROMIUM, CHROMIUM_ARGS, LONG_PROMPT, synthetic_step
 from miles.dashboard.server import DashboardServer
+from miles.dashboard.snapshot import CHROMIUM, CHROMIUM_ARGS
 from miles.dashboard.store import RolloutDumpWriter, RunDirWriter
+from miles.dashboard.synthetic import LONG_PROMPT, synthetic_step
 
 sync_api = pytest.importorskip("playwright.sync_api")
 if not Path(CHROMIUM).exists():

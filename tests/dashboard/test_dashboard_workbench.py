@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from miles.bench.dashboard import synthetic_run, synthetic_step
 from miles.dashboard.server import DashboardServer
 from miles.dashboard.snapshot import CHROMIUM, CHROMIUM_ARGS, screenshot_tabs
 from miles.dashboard.store import RolloutDumpWriter, RunDirWriter
+from miles.dashboard.synthetic import synthetic_run, synthetic_step
 from miles.planner_view import run_overlay
 from miles.recipes import quickstart
 

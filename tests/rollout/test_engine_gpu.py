@@ -122,7 +122,7 @@ def test_cuda_graph_tag_bytes_in_the_ledger_equal_the_planners_prediction_and_ar
 
 
 def test_sampled_log_probs_stay_close_to_the_trainers_in_bf16():
-    from miles.bench.rollout import mismatch
+    from benchmarks.rollout import mismatch
 
     engine = EmbeddedEngine(_cfg("bfloat16"), max_batch_size=16, max_seq_len=128, device="cuda", seed=0)
     reqs = [_req(str(i), [3, 4, 5 + i], max_new_tokens=64, temperature=1.0) for i in range(16)]

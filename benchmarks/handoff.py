@@ -28,32 +28,8 @@ from miles.memory.host_arena import STATS as ARENA_STATS
 from miles.memory.host_arena import host_arena, keep_pinned
 from miles.memory.ledger import process_rss_bytes
 from miles.planner import plan as predict
+from miles.recipes import MODEL_SIZES as SIZES
 from miles.recipes import quickstart
-
-SIZES = {
-    "cpu": [
-        "model.hidden_size=256",
-        "model.intermediate_size=768",
-        "model.num_hidden_layers=4",
-        "model.num_attention_heads=4",
-        "model.num_key_value_heads=2",
-        "model.head_dim=64",
-        "rollout.max_batch_size=32",
-    ],
-    "1b": [
-        "model.architecture=llama",
-        "model.attention_bias=false",
-        "model.hidden_size=2048",
-        "model.intermediate_size=5632",
-        "model.num_hidden_layers=22",
-        "model.num_attention_heads=16",
-        "model.num_key_value_heads=4",
-        "model.head_dim=128",
-        "model.dtype=bfloat16",
-        "model.tie_word_embeddings=false",
-        "rollout.max_batch_size=64",
-    ],
-}
 
 
 def bench_config(size: str, mode: str, level: str, mirror: bool) -> RunConfig:

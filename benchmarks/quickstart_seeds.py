@@ -43,7 +43,7 @@ def _run_seed(seed: int, overrides: list[str], timeout: int, in_process: bool) -
         run_dir = Path(tmp) / "run"
         if in_process:
             run_dir.mkdir()
-            cmd = [sys.executable, "-m", "miles.bench.quickstart_seeds", "--in-process-seed", str(seed), str(run_dir)]
+            cmd = [sys.executable, "-m", "benchmarks.quickstart_seeds", "--in-process-seed", str(seed), str(run_dir)]
             cmd += overrides
         else:
             cmd = [sys.executable, "-m", "miles.cli", "train", "--recipe", "quickstart", "--no-progress", "--set"]
@@ -163,7 +163,7 @@ def run(argv: list[str]) -> dict:
 
 if (
     __name__ == "__main__"
-):  # one in-process seed: python -m miles.bench.quickstart_seeds --in-process-seed S DIR [overrides]
+):  # one in-process seed: python -m benchmarks.quickstart_seeds --in-process-seed S DIR [overrides]
     _, flag, seed_arg, out_dir, *extra = sys.argv
     assert flag == "--in-process-seed"
     with open(Path(out_dir) / "metrics.jsonl", "w") as out:

@@ -1,24 +1,18 @@
-"""``miles bench quant-traffic``: for every recipe, the bytes a real trainer offload moves (read from the
-MemoryLedger of a TaggedMemory pause) beside the bytes-per-element x modules prediction, with and without
-clearing the quantized workspaces first; plus the bit-equality of outputs after clear + offload + rebuild.
-
-``--cuda-graphs`` (needs CUDA): capture the forward in a CUDA graph, then offload with clearing on; the clear
-must skip with one log line and move the same bytes as with clearing off.
-
-    python -c "import miles.bench as b, json; print(json.dumps(b.run('quant-traffic', []), indent=1))"
-"""
+"""What a trainer offload really moves for a quantized model: pause a model's params and quantized workspaces
+through a TaggedMemory and read the bytes off the MemoryLedger, beside ``miles.memory.traffic``'s prediction
+for the same config; plus the bit-equality of outputs after clear + offload + rebuild, and the CUDA-graph skip.
+``miles bench quant-traffic``, notebook 04 and tests/quant call these on ``miles.model.toy_moe.TinyMoE``."""
 
 from __future__ import annotations
 
-import argparse
 import time
 from dataclasses import dataclass
 
 import torch
 
-from miles.bench.moe_model import SIZES, TinyMoE
 from miles.memory import MemoryLedger, TaggedMemory
-from miles.memory.traffic import RECIPES, offload_bytes, weight_shapes
+from miles.memory.traffic import offload_bytes, weight_shapes
+from miles.model.toy_moe import TinyMoE
 from miles.quant import ClearReport, apply_precision, clear_quantized_workspaces, quantized_workspace_tensors
 
 TAGS = ("params", "quant_workspace")
@@ -149,33 +143,3 @@ def cuda_graph_check(cfg: dict, recipe: str, device: torch.device) -> dict:
         del graph
     results["same_bytes"] = results["on"]["measured_bytes"] == results["off"]["measured_bytes"]
     return {"recipe": recipe, **results}
-
-
-def run(argv: list[str]) -> dict:
-    ap = argparse.ArgumentParser(prog="miles bench quant-traffic")
-    ap.add_argument("--size", default="cuda" if torch.cuda.is_available() else "cpu", choices=sorted(SIZES))
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--recipes", default=",".join(RECIPES))
-    ap.add_argument("--cuda-graphs", action="store_true", help="also run the CUDA-graph skip check (CUDA only)")
-    ap.add_argument("--json", action="store_true", help="accepted for the CLI; the result is always JSON")
-    args = ap.parse_args(argv)
-    cfg, device = SIZES[args.size], torch.device(args.device)
-    rows = [measure_recipe(cfg, r, clear, device) for r in args.recipes.split(",") for clear in (False, True)]
-    by = {(r["recipe"], r["clear_workspaces"]): r["measured_bytes"] for r in rows}
-    reduction = {rec: round(1 - by[(rec, True)] / by[(rec, False)], 4) for rec in args.recipes.split(",")}
-    out = {
-        "size": args.size,
-        "model_config": cfg,
-        "device": str(device),
-        "rows": rows,
-        "reduction_with_clearing": reduction,
-        "max_abs_deviation": max(abs(r["measured_over_predicted"] - 1) for r in rows),
-        "all_outputs_bit_equal": all(r["outputs_bit_equal_after_rebuild"] for r in rows),
-    }
-    if device.type == "cuda":  # the CUDA allocator's count of freed bytes cross-checks the ledger's
-        out["max_allocator_deviation"] = max(abs(r["allocator_over_ledger"] - 1) for r in rows)
-    if args.cuda_graphs:
-        if device.type != "cuda":
-            raise SystemExit("--cuda-graphs needs a CUDA device (--device cuda)")
-        out["cuda_graphs"] = [cuda_graph_check(cfg, r, device) for r in ("bf16", "mxfp8")]
-    return out

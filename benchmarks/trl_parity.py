@@ -89,7 +89,7 @@ def run_side(side: str, steps: int, warmup: int, timeout: int) -> dict:
         cmd = [
             sys.executable,
             "-m",
-            "miles.bench.trl_parity",
+            "benchmarks.trl_parity",
             "--child",
             side,
             "--steps",

@@ -1,6 +1,8 @@
-"""Benchmarks behind ``miles bench NAME``: each is a module ``miles/bench/<name>.py`` (hyphens become
-underscores) exposing ``run(argv: list[str]) -> dict``. Results are JSON, written atomically to
-``benchmarks/results/<name>.json`` with the machine, date and command; BENCHMARKS.md quotes them."""
+"""Benchmarks behind ``miles bench NAME``: each is a module ``benchmarks/<name>.py`` of the repository (hyphens
+become underscores) exposing ``run(argv: list[str]) -> dict``. Results are JSON, written atomically to
+``benchmarks/results/<name>.{cpu,gpu}.json`` with the machine, date and command; BENCHMARKS.md quotes them.
+They live outside the ``miles`` package: what a test or notebook needs from a measurement is in the library.
+``*_probe.py`` files are one-off scripts run by path (their docstring says how), not ``miles bench`` names."""
 
 from __future__ import annotations
 
@@ -18,7 +20,8 @@ from miles.atomic import atomic_write_text
 
 def available() -> list[str]:
     here = Path(__file__).parent
-    return sorted(m.name.replace("_", "-") for m in pkgutil.iter_modules([str(here)]) if not m.name.startswith("_"))
+    names = (m.name for m in pkgutil.iter_modules([str(here)]))
+    return sorted(n.replace("_", "-") for n in names if not n.startswith("_") and not n.endswith("_probe"))
 
 
 def machine_info() -> dict:
@@ -40,7 +43,7 @@ def machine_info() -> dict:
 def run(name: str, argv: list[str], results_dir: str | os.PathLike = "benchmarks/results") -> dict:
     if name not in available():
         raise SystemExit(f"unknown benchmark {name!r}; available: {', '.join(available())}")
-    module = importlib.import_module(f"miles.bench.{name.replace('-', '_')}")
+    module = importlib.import_module(f"benchmarks.{name.replace('-', '_')}")
     result = module.run(list(argv))
     out = {"benchmark": name, "command": " ".join(["miles", "bench", name, *argv]), "machine": machine_info(), **result}
     tag = "gpu" if "gpu" in out["machine"] else "cpu"
