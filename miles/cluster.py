@@ -122,7 +122,11 @@ def _kill_ray_children() -> None:
 
 
 class Cluster(PlanExecutor):
-    """with Cluster(cfg) as c: c.rollout.generate.remote(step); c.execute(plan.init, version=0); c.trainer.train(...)"""
+    """with Cluster(cfg) as c: c.execute(plan.init, version=0); c.rollout.generate.remote(step); c.trainer.train(...)
+
+    The engines start first, then the trainer's actors (no model yet); ``plan.init``'s trainer.build step builds
+    the model, then calls ``on_built`` (a resumed run loads its checkpoint there) and its trainer.warmup step
+    calls ``on_warm_up``."""
 
     def __init__(self, cfg: RunConfig):
         import ray
@@ -145,7 +149,8 @@ class Cluster(PlanExecutor):
         bundles = [{"CPU": 1, **({"GPU": 1} if gpu else {})} for _ in range(cfg.trainer.world_size)]
         self.pg = placement_group(bundles, strategy="PACK")
         wait_for_placement_group(self.pg, bundles, PG_READY_TIMEOUT_S["cluster" if cfg.ray_address else "local"])
-        self.trainer = TrainGroup(cfg, self.pg, num_gpus_per_actor=0.45 * gpu)
+        # the planner's order (miles.planner.replay): the engines are built first; the trainer's actors start
+        # here holding no model, which the plan's trainer.build step creates
         # the engine side of rdt: its receive call waits inside the actor while Ray's transfer needs a second slot
         rdt = cfg.sync.transport == "rdt"
         self.rollout = (
@@ -159,8 +164,21 @@ class Cluster(PlanExecutor):
             )
             .remote(cfg, self.device)
         )
-        self.trainer.connect_sync([self.rollout])
+        try:
+            self.get(self.rollout.engine_count.remote())  # built (a launch error surfaces here, before the trainer)
+            self.trainer = TrainGroup(cfg, self.pg, num_gpus_per_actor=0.45 * gpu)
+            self.trainer.connect_sync([self.rollout])
+        except BaseException:
+            self.close()  # nothing left running: the engines (and servers they launched), the group, Ray
+            raise
         self.sync_metrics: dict = {}
+        self.on_built = self.on_warm_up = lambda: None  # the driver's resume and supervised warm-up
+
+    def built(self) -> None:
+        self.on_built()
+
+    def warm_up(self) -> None:
+        self.on_warm_up()
 
     def get(self, ref):
         import ray
@@ -206,11 +224,13 @@ class Cluster(PlanExecutor):
         import ray
         from ray.util.placement_group import remove_placement_group
 
+        trainer = getattr(self, "trainer", None)  # None when the engines failed to start
         try:
-            self.trainer.close()
+            if trainer is not None:
+                trainer.close()
             ray.get(self.rollout.close.remote(), timeout=60)  # stops launched engine servers (ray.kill skips atexit)
         finally:
-            for a in self.trainer.actors + [self.rollout]:
+            for a in (trainer.actors if trainer is not None else []) + [self.rollout]:
                 ray.kill(a)
             remove_placement_group(self.pg)
             if self.owns_ray:

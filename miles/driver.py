@@ -29,9 +29,9 @@ def train(cfg: RunConfig, *, progress: bool = True, stop: threading.Event | None
         log.info(plan.describe())
         with Cluster(cfg) as c, Trackers.open(cfg.log, run, config=cfg.to_dict()):
             book = Bookkeeper(cfg, run, c, on_step)
-            start = book.resume()
-            if book.saved_step is None:
-                warmup(cfg, c, book)
+            start = book.find_checkpoint()
+            c.on_built = book.resume  # the trainer exists from the plan's trainer.build step on
+            c.on_warm_up = lambda: book.saved_step is None and warmup(cfg, c, book)  # a resumed run is warm
             book.ledger(-1, c.execute(plan.init, version=start))
             with StopOnCtrlC(stop) as stop:  # the first Ctrl-C ends the loop at a step boundary, saved
                 for step in book.progress(range(start, cfg.num_steps), progress):
@@ -72,23 +72,27 @@ class Bookkeeper:
         self.pool_bytes = {"device": 0, "host": 0, "disk": 0}
         self.bar = None
         self.saved_step: int | None = None  # the step of the newest checkpoint this run loaded or wrote
+        self.found = None  # (next_step, path) of the checkpoint to resume from (find_checkpoint)
         self.dump_failures = 0
         self.t_start = time.perf_counter()
 
-    def resume(self) -> int:
-        """Load the newest verified checkpoint (resume=true), then start every log at its step; config.json is
+    def find_checkpoint(self) -> int:
+        """The RL step this run starts at: after the newest verified checkpoint (resume=true), else 0."""
+        self.found = self.run_dir.checkpoints.latest() if self.cfg.resume else None
+        return self.found[0] if self.found else 0
+
+    def resume(self) -> None:
+        """Once the trainer is built: load the checkpoint found, then start every log at its step; config.json is
         written only now, so a resume that fails to load leaves the run's record as it was."""
-        found = self.run_dir.checkpoints.latest() if self.cfg.resume else None
         next_step = 0
-        if found:
-            next_step, path = found
+        if self.found:
+            next_step, path = self.found
             log.warning("resuming from %s (next RL step %d)", path, next_step)
             self.c.trainer.load_checkpoint(str(path))
             self.saved_step = next_step
             self.c.load_data_state(path)  # the dataset's epoch position (miles.data.source)
-        self.run_dir.begin(next_step, self.cfg.to_json(), resumed=found is not None)
+        self.run_dir.begin(next_step, self.cfg.to_json(), resumed=self.found is not None)
         self.rows = [r for r in self.run_dir.metrics() if "phase" not in r]  # RL rows (not sft or eval)
-        return next_step
 
     def generate(self, step: int):
         try:

@@ -4,13 +4,14 @@ The driver executes a plan for real (miles.plan_executor: miles.cluster.Cluster 
 process); the planner (miles.planner) replays the same steps against estimated sizes. Two orders (DESIGN §2):
 
 peak device ``cpu`` (each side offloads before the other onloads; the host briefly holds both copies)
-    init:           engine.offload_kv -> engine.offload_weights -> trainer.build -> trainer.offload
-                    -> engine.onload_weights -> sync -> engine.onload_kv
+    init:           engine.offload_kv -> engine.offload_weights -> trainer.build [-> trainer.warmup]
+                    -> trainer.offload -> engine.onload_weights -> sync -> engine.onload_kv
     rollout->train: engine.offload_kv -> engine.offload_weights -> trainer.onload
     train->rollout: trainer.offload -> engine.onload_weights -> sync -> engine.onload_kv
 peak device ``gpu`` (the other side onloads first: the overlap sits in GPU memory and the engine's host
 mirror and the trainer's host backup never coexist)
-    init:           engine.offload_kv -> trainer.build -> sync -> trainer.offload -> engine.onload_kv
+    init:           engine.offload_kv -> trainer.build [-> engine.offload_weights -> trainer.warmup
+                    -> trainer.clear_memory -> engine.onload_weights] -> sync -> trainer.offload -> engine.onload_kv
     rollout->train: engine.offload_kv -> trainer.onload -> engine.offload_weights
     train->rollout: trainer.clear_memory -> engine.onload_weights -> trainer.offload -> sync -> engine.onload_kv
 
@@ -20,7 +21,8 @@ An engine step carries the tags it moves (``engine_level_tags``, decided here on
 move nothing (so the executed sequence and the plan are the same list). A step's ``tags`` are
 the tags it is expected to move; the planner prices exactly those. ``trainer.build`` marks where the trainer's
 memory comes into being: the engines are built first, and in gpu mode they keep their weights resident through
-trainer init (DESIGN §2); an executor that built the trainer earlier runs it as a no-op.
+trainer init (DESIGN §2). ``trainer.warmup`` (only when the run has supervised warm-up steps) sits where the
+memory is laid out as for a train step, and the planner prices it as one.
 
     plan = HandoffPlan.from_config(cfg.handoff)        # 'auto' -> miles.planner.resolve_plan
     for step in plan.rollout_to_train: ...             # Step("engine", "offload_kv", ("cuda_graph", "kv_cache"))
@@ -34,7 +36,7 @@ from miles.config import HandoffConfig
 
 TRAIN_ALL = ("params", "grads", "optimizer", "ref", "quant_workspace")
 ENGINE_VERBS = ("offload_kv", "offload_weights", "onload_weights", "onload_kv")
-TRAINER_VERBS = ("build", "offload", "onload", "clear_memory")
+TRAINER_VERBS = ("build", "warmup", "offload", "onload", "clear_memory")
 MODES = ("cpu", "gpu")
 
 
@@ -61,7 +63,11 @@ class HandoffPlan:
     reason: str = ""  # why this mode (for 'auto')
 
     @classmethod
-    def from_config(cls, cfg: HandoffConfig, mode: str | None = None, reason: str = "") -> "HandoffPlan":
+    def from_config(
+        cls, cfg: HandoffConfig, mode: str | None = None, reason: str = "", *, warmup: bool = False
+    ) -> "HandoffPlan":
+        """``warmup``: init holds a ``trainer.warmup`` step (supervised warm-up, RunConfig.trainer.warmup_sft_steps)
+        where the memory is laid out as for a train step, so the planner prices it as one."""
         mode = mode or cfg.colocate_memory_peak_device
         if mode == "auto":
             raise ValueError(
@@ -80,18 +86,30 @@ class HandoffPlan:
         t_off, t_on = Step("trainer", "offload", train), Step("trainer", "onload", train)
         sync, clear = Step("sync", "update_weights"), Step("trainer", "clear_memory")
         build = Step("trainer", "build")  # the trainer is created here: after the engine released its init tags
+        warm = Step("trainer", "warmup") if warmup else None
         if mode == "cpu":
-            init = (e["offload_kv"], e["offload_weights"], build, t_off, e["onload_weights"], sync, e["onload_kv"])
+            init = (
+                e["offload_kv"],
+                e["offload_weights"],
+                build,
+                warm,
+                t_off,
+                e["onload_weights"],
+                sync,
+                e["onload_kv"],
+            )
             r2t = (e["offload_kv"], e["offload_weights"], t_on)
             t2r = (t_off, e["onload_weights"], sync, e["onload_kv"])
         else:
             init = (e["offload_kv"], build, sync, t_off, e["onload_kv"])
+            if warm:  # as a train step: the engine's weights leave first, the trainer clears before they return
+                init = (e["offload_kv"], build, e["offload_weights"], warm, clear, e["onload_weights"], *init[2:])
             r2t = (e["offload_kv"], t_on, e["offload_weights"])
             t2r = (clear, e["onload_weights"], t_off, sync, e["onload_kv"])
         keep = lambda steps: tuple(
             s
             for s in steps
-            if s is not None and (s.owner != "trainer" or s.tags or s.verb in ("clear_memory", "build"))
+            if s is not None and (s.owner != "trainer" or s.tags or s.verb in ("clear_memory", "build", "warmup"))
         )
         return cls(mode, keep(init), keep(r2t), keep(t2r), reason)
 

@@ -20,7 +20,8 @@ from miles.sync.base import call
 
 class PlanExecutor:
     """Subclasses set ``rollout`` (RolloutManager or Ray actor handle) and ``trainer`` (methods build, clear_memory,
-    offload(tags), onload(tags) and update_weights(version), each returning one result per rank)."""
+    offload(tags), onload(tags) and update_weights(version), each returning one result per rank), and may
+    override the hooks ``built``, ``warm_up``, ``synced`` and ``step_done``."""
 
     rollout: object
     trainer: object
@@ -43,6 +44,11 @@ class PlanExecutor:
             return call(self.rollout, "offload" if s.verb.startswith("offload") else "onload", list(s.tags))
         if s.owner == "trainer" and s.verb in ("build", "clear_memory"):
             getattr(self.trainer, s.verb)()
+            if s.verb == "build":
+                self.built()
+            return None
+        if s.owner == "trainer" and s.verb == "warmup":
+            self.warm_up()
             return None
         if s.owner == "trainer" and s.verb in ("offload", "onload"):
             return sum(getattr(self.trainer, s.verb)(list(s.tags)))
@@ -50,6 +56,13 @@ class PlanExecutor:
             self.synced(self.trainer.update_weights(version))
             return None
         raise ValueError(f"plan step {s} has no executor mapping; valid owners engine/trainer/sync")
+
+    def built(self) -> None:
+        """Right after the trainer is built, before any of its memory moves (a resumed run loads its checkpoint
+        here, so the init sync carries the resumed weights)."""
+
+    def warm_up(self) -> None:
+        """The plan's ``trainer.warmup`` step: supervised warm-up steps (the driver runs them; a resumed run none)."""
 
     def synced(self, metrics: list[dict]) -> None:
         """After a sync step, with each rank's sync metrics."""

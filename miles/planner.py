@@ -395,6 +395,10 @@ def _apply(st: _State, phase: str, s: Step, hw, rpn: int, sync_bucket: int) -> P
         for k, t in st.sizes.tags.items():
             if t.owner == "trainer":
                 st.created[k], st.resident[k] = not t.lazy, True
+    elif s.verb == "warmup":  # supervised steps: a train step's working set, its lazy state created
+        row = _train(st, hw, rpn)
+        row.phase, row.step = phase, str(s)
+        return row
     elif s.verb == "clear_memory":
         moved = {}
         if ("trainer", "grads") in st.sizes.tags:
@@ -469,7 +473,7 @@ def plan(
     reason = ""
     if mode == "auto":
         mode, reason = choose_mode(cfg, hw)
-    hp = HandoffPlan.from_config(cfg.handoff, mode=mode, reason=reason)
+    hp = HandoffPlan.from_config(cfg.handoff, mode=mode, reason=reason, warmup=cfg.trainer.warmup_sft_steps > 0)
     gpus = cfg.trainer.world_size
     rpn = min(gpus, hw.gpus_per_node)
     sizes = estimate_sizes(cfg, cuda_graphs=not hw.unified)
@@ -480,10 +484,11 @@ def plan(
 
 def resolve_plan(cfg: RunConfig) -> HandoffPlan:
     """The run's HandoffPlan; ``colocate_memory_peak_device = 'auto'`` is decided here by ``choose_mode``."""
+    warmup = cfg.trainer.warmup_sft_steps > 0
     if cfg.handoff.colocate_memory_peak_device != "auto":
-        return HandoffPlan.from_config(cfg.handoff)
+        return HandoffPlan.from_config(cfg.handoff, warmup=warmup)
     mode, reason = choose_mode(cfg)
-    return HandoffPlan.from_config(cfg.handoff, mode=mode, reason=reason)
+    return HandoffPlan.from_config(cfg.handoff, mode=mode, reason=reason, warmup=warmup)
 
 
 def choose_mode(cfg: RunConfig, hardware: str | HardwareProfile | None = None) -> tuple[str, str]:

@@ -47,11 +47,23 @@ class TrainActor:
                 rank=rank,
                 world_size=world_size,
             )
+        self.ledger = MemoryLedger()
+        self.backend = None  # built by the plan's trainer.build step (build): after the engines, as priced
+        self.sync = None
+
+    def ready(self) -> bool:
+        return True
+
+    @on_compute_thread
+    def build(self) -> None:
+        """Create the model and optimizer: the trainer's memory comes into being here (miles.handoff)."""
+        if self.backend is not None:
+            return
+        cfg, rank, world_size = self.cfg, self.rank, self.world_size
         if cfg.trainer.backend == "megatron":
             from miles.train.megatron_backend import MegatronBackend as Backend  # noqa: N814 (GPU only)
         else:
             from miles.train.torch_backend import TorchBackend as Backend
-        self.ledger = MemoryLedger()
         h = cfg.handoff
         self.backend = Backend(
             cfg.model,
@@ -65,10 +77,6 @@ class TrainActor:
             offload_policy=h.offload_train,
             disk_dir=os.path.join(cfg.run_dir, "offload", f"rank{rank}"),
         )
-        self.sync = None
-
-    def ready(self) -> bool:
-        return True
 
     def connect_sync(self, engines) -> None:
         from miles.sync import make_sync
@@ -209,9 +217,10 @@ class TrainGroup:
     def set_lr(self, lr: float) -> list:
         return self._all("set_lr", lr)
 
-    def build(self) -> None:
-        """The plan's ``trainer.build`` step: nothing here, the actors are created in the constructor (before the
-        RolloutManager, so on Ray the launch order is not yet the one the planner prices)."""
+    def build(self) -> list:
+        """The plan's ``trainer.build`` step: each rank creates its model and optimizer (the actors themselves
+        start in the constructor, holding no model)."""
+        return self._all("build")
 
     def offload(self, tags) -> list[int]:
         """Bytes each rank moved off the device."""
