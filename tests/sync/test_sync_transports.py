@@ -34,7 +34,7 @@ def actors(ray_session, tmp_path_factory):
         .options(num_cpus=0, enable_tensor_transport=True, max_concurrency=4)
         .remote(cfg, "cpu")
     )
-    ray.get([trainer.ready.remote(), engine.weight_versions.remote()])
+    ray.get([trainer.build.remote(), engine.weight_versions.remote()])  # the model, as the plan's trainer.build
     yield ray, trainer, engine
     ray.get(trainer.__ray_call__.remote(_close_all))
     for a in (trainer, engine):
