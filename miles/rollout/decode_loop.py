@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from miles.rollout.forward import prefill
-from miles.rollout.sampling import sample
+from miles.rollout.sampling import sample, use_triton
 
 STOP_SLOTS = 16  # stop token ids per request held on the device
 
@@ -43,9 +43,17 @@ class RowState:
         self.seed = torch.zeros(1, dtype=torch.long, device=device)
 
 
-def advance(st: RowState, rows: torch.Tensor | slice, tok: torch.Tensor, lp: torch.Tensor) -> None:
+def advance(
+    st: RowState, rows: torch.Tensor | slice, tok: torch.Tensor, lp: torch.Tensor, *, fused: bool | None = None
+) -> None:
     """Record the sampled token of each live row in ``rows`` and decide on the device whether it finished.
-    ``rows``: a slice (a decode step over slots [0, R): views, updated in place) or slot indices (a prefill)."""
+    ``rows``: a slice (a decode step over slots [0, R): views, updated in place) or slot indices (a prefill).
+    ``fused=None``: a decode step's bookkeeping is one Triton kernel where it can run (about 15 small ops here)."""
+    if isinstance(rows, slice) and (use_triton(tok) if fused is None else fused):
+        from miles.rollout.kernels import advance_rows
+
+        advance_rows(st, tok.shape[0], tok, lp)
+        return
     if isinstance(rows, slice):
         idx = torch.arange(tok.shape[0], device=tok.device)
         live = ~st.finished[rows]
@@ -180,15 +188,18 @@ class DecodeLoop:
                 continue
             R = next(b for b in self.buckets if b > max(active))
             flexible = any(r.req.sampling.top_p < 1 or r.req.sampling.top_k > 0 for r in active.values())
-            for _ in range(self._steps_until_check(active, bool(waiting or self._inbox))):
+            bound = max(len(r.req.input_ids) + r.steps for r in active.values())  # per step: no loop over rows
+            steps, done = self._steps_until_check(active, bool(waiting or self._inbox)), 0
+            while done < steps:
                 e._running.wait()
                 if self._abort_requested(active):
                     break
                 with e._lock:
-                    e._step(R, bound=max(len(r.req.input_ids) + r.steps for r in active.values()), flexible=flexible)
-                self.stats["steps"] += 1
-                for r in active.values():
-                    r.steps += 1
+                    e._step(R, bound=bound + done, flexible=flexible)
+                done += 1
+            self.stats["steps"] += done
+            for r in active.values():
+                r.steps += done
             self._retire(active)
 
     def _steps_until_check(self, active: dict[int, _Row], waiting: bool) -> int:
@@ -197,7 +208,8 @@ class DecodeLoop:
         return max(0, min(left, self.check_every) if can_stop else left)
 
     def _abort_requested(self, active: dict[int, _Row]) -> bool:
-        return any(self._aborts(r) for r in active.values())
+        e = self.e
+        return e._abort_all or (bool(e._aborted) and any(r.req.rid in e._aborted for r in active.values()))
 
     def _drop_aborted_waiting(self, waiting: deque) -> None:
         e = self.e

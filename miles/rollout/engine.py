@@ -89,7 +89,7 @@ class EmbeddedEngine(UpdateCalls):
         self.model = build_decoder(model_cfg, seed=seed, device=self.device).eval().requires_grad_(False)
         # CUDA with Triton: fused decode kernels and graphs (q|k|v and gate|up fused before the weights register)
         self.fast = self.device.type == "cuda" and use_triton(torch.empty(0, device=self.device))
-        self.fused = fuse_projections(self.model) if self.fast and not model_cfg.qk_norm else None  # Qwen3: unfused
+        self.fused = fuse_projections(self.model) if self.fast else None
         self.cache = KVCache.allocate(
             model_cfg, max_batch_size, self.max_seq_len, self.device, next(self.model.parameters()).dtype
         )
@@ -188,12 +188,11 @@ class EmbeddedEngine(UpdateCalls):
         if self.graphs is None:
             forward()
             finish()
-            return
-        self.graphs.run(("decode", R), forward)
-        if flexible:
+        elif flexible:  # top-p / top-k sort on the reference path, outside the graph
+            self.graphs.run(("decode", R), forward)
             finish()
-        else:
-            self.graphs.run(("sample", R), finish)
+        else:  # the whole step (forward, sampling, bookkeeping) is one graph: one launch per step
+            self.graphs.run(("step", R), lambda: (forward(), finish()))
 
     def _output(self, req: GenerateRequest, ids: list[int], lps: list[float], reason: str) -> GenerateOutput:
         return GenerateOutput(

@@ -143,8 +143,8 @@ def decode_step_fused(
     *,
     num_splits: int | None = None,
 ) -> torch.Tensor:
-    """``decode_step`` in about a dozen kernels per layer: residual add + RMSNorm, rotary + K/V write and
-    SiLU x up are one Triton kernel each, q|k|v and gate|up one matmul each (miles.rollout.kernels)."""
+    """``decode_step`` in about a dozen kernels per layer: residual add + RMSNorm, (Qwen3's q/k RMSNorm +)
+    rotary + K/V write and SiLU x up are one Triton kernel each, q|k|v and gate|up one matmul each (miles.rollout.kernels)."""
     from miles.rollout.kernels import add_rmsnorm, rope_kv, silu_mul
 
     cfg = model.config
@@ -156,7 +156,9 @@ def decode_step_fused(
     filled = lens_R + 1
     for i, layer in enumerate(layers):
         qkv = F.linear(h, fused.qkv[i], fused.qkv_bias[i])
-        q = rope_kv(qkv, rope.cos, rope.sin, lens_R, cache.k[i], cache.v[i], H, KVH, D)
+        a = layer.self_attn
+        qk_norm = (a.q_norm.weight, a.k_norm.weight, a.q_norm.eps) if cfg.qk_norm else None  # Qwen3
+        q = rope_kv(qkv, rope.cos, rope.sin, lens_R, cache.k[i], cache.v[i], H, KVH, D, qk_norm)
         o = decode_attention(q, cache.k[i], cache.v[i], filled, num_splits=num_splits, fused=True)
         h = add_rmsnorm(x, layer.self_attn.o_proj(o.reshape(R, -1)), layer.post_attention_layernorm.weight, eps)
         mlp = layer.mlp.down_proj(silu_mul(F.linear(h, fused.gate_up[i])))

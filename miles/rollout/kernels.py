@@ -201,9 +201,10 @@ def add_rmsnorm(x_NH: torch.Tensor, delta_NH: torch.Tensor | None, weight: torch
 @triton.jit
 def _rope_kv_kernel(
     qkv_ptr, s_qkv, cos_ptr, sin_ptr, lens_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, sk_b, sk_h, sk_n,
-    H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr,
+    qn_ptr, kn_ptr, eps, H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, QK_NORM: tl.constexpr,
 ):  # fmt: skip
-    # one program per (row, head of q, k or v): rotary on q and k at the row's position; k and v into the cache
+    # one program per (row, head of q, k or v): (Qwen3) RMSNorm of the q or k head, then rotary at the row's
+    # position; k and v into the cache. The rotated half is re-read at the swapped offsets and normed the same way
     row, head = tl.program_id(0), tl.program_id(1)
     pos = tl.load(lens_ptr + row)
     offs = tl.arange(0, D)
@@ -214,7 +215,16 @@ def _rope_kv_kernel(
     if head < H + KVH:
         c = tl.load(cos_ptr + pos * D + offs).to(tl.float32)
         s = tl.load(sin_ptr + pos * D + offs).to(tl.float32)
-        xr = tl.load(src + swap).to(tl.float32)
+        xr = tl.load(src + swap)
+        if QK_NORM:  # w * (x * rsqrt(mean(x^2) + eps)), rounded to the model dtype before the weight, as RMSNorm
+            xf = x.to(tl.float32)
+            r = tl.rsqrt(tl.sum(xf * xf, 0) / D + eps)
+            is_q = head < H
+            w = tl.where(is_q, tl.load(qn_ptr + offs), tl.load(kn_ptr + offs)).to(tl.float32)
+            w_sw = tl.where(is_q, tl.load(qn_ptr + swap), tl.load(kn_ptr + swap)).to(tl.float32)
+            x = (w * (xf * r).to(x.dtype).to(tl.float32)).to(x.dtype)
+            xr = (w_sw * (xr.to(tl.float32) * r).to(x.dtype).to(tl.float32)).to(x.dtype)
+        xr = xr.to(tl.float32)
         xr = tl.where(offs < half, -xr, xr)
         a = (x.to(tl.float32) * c).to(x.dtype).to(tl.float32)
         b = (xr * s).to(x.dtype).to(tl.float32)
@@ -230,13 +240,16 @@ def _rope_kv_kernel(
             tl.store(v_cache_ptr + dst, x)
 
 
-def rope_kv(qkv_RX, cos, sin, lens_R, k_cache, v_cache, H: int, KVH: int, D: int) -> torch.Tensor:
-    """qkv [R, (H + 2 KVH) D] (q, k, v heads in order): q rotated -> [R, H, D]; k rotated and v into the caches."""
+def rope_kv(qkv_RX, cos, sin, lens_R, k_cache, v_cache, H: int, KVH: int, D: int, qk_norm=None) -> torch.Tensor:
+    """qkv [R, (H + 2 KVH) D] (q, k, v heads in order): q rotated -> [R, H, D]; k rotated and v into the caches.
+    ``qk_norm``: (q_norm weight, k_norm weight, eps) of a Qwen3 layer, applied to each q and k head first."""
     R = qkv_RX.shape[0]
     q = torch.empty(R, H, D, dtype=qkv_RX.dtype, device=qkv_RX.device)
+    qn, kn, eps = qk_norm if qk_norm is not None else (cos, cos, 0.0)
     _rope_kv_kernel[(R, H + 2 * KVH)](
         qkv_RX, qkv_RX.stride(0), cos, sin, lens_R, q, k_cache, v_cache,
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), H=H, KVH=KVH, D=D, num_warps=1,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), qn, kn, eps,
+        H=H, KVH=KVH, D=D, QK_NORM=qk_norm is not None, num_warps=1,
     )  # fmt: skip
     return q
 
@@ -259,3 +272,38 @@ def silu_mul(gu_NI2: torch.Tensor) -> torch.Tensor:
     out = torch.empty(N, I2 // 2, dtype=gu_NI2.dtype, device=gu_NI2.device)
     _silu_mul_kernel[(N, triton.cdiv(I2 // 2, 1024))](gu_NI2, out, I2 // 2, BLOCK=1024)
     return out
+
+
+@triton.jit
+def _advance_kernel(
+    tok_ptr, lp_ptr, finished_ptr, stopped_ptr, num_gen_ptr, lens_ptr, tokens_ptr, max_new_ptr, stop_ptr,
+    out_ids_ptr, out_lps_ptr, seed_ptr, W, STOPS: tl.constexpr,
+):  # fmt: skip
+    # one program per row of a decode step over slots [0, R): decode_loop.advance's bookkeeping in one kernel
+    row = tl.program_id(0)
+    live = tl.load(finished_ptr + row).to(tl.int32) == 0
+    n = tl.load(num_gen_ptr + row)
+    t = tl.load(tok_ptr + row)
+    out = row.to(tl.int64) * W + n
+    tl.store(out_ids_ptr + out, t)  # a finished row writes past its last token: never read
+    tl.store(out_lps_ptr + out, tl.load(lp_ptr + row))
+    stops = tl.load(stop_ptr + row * STOPS + tl.arange(0, STOPS))
+    hit = tl.sum((stops == t).to(tl.int32), 0) > 0
+    n_next = n + live.to(tl.int64)
+    tl.store(num_gen_ptr + row, n_next)
+    tl.store(lens_ptr + row, tl.load(lens_ptr + row) + live.to(tl.int64))
+    tl.store(tokens_ptr + row, tl.where(live, t, tl.load(tokens_ptr + row)))
+    stopped = (tl.load(stopped_ptr + row).to(tl.int32) != 0) | (live & hit)
+    done = (n_next >= tl.load(max_new_ptr + row)) | hit
+    tl.store(stopped_ptr + row, stopped.to(tl.int1))
+    tl.store(finished_ptr + row, ((~live) | done).to(tl.int1))
+    if row == 0:
+        tl.store(seed_ptr, tl.load(seed_ptr) + 1)
+
+
+def advance_rows(st, R: int, tok_R: torch.Tensor, lp_R: torch.Tensor) -> None:
+    """``decode_loop.advance(st, slice(0, R), tok, lp)`` as one kernel (the state's tensors updated in place)."""
+    _advance_kernel[(R,)](
+        tok_R, lp_R, st.finished, st.stopped, st.num_gen, st.lens, st.tokens, st.max_new, st.stop_ids,
+        st.out_ids, st.out_lps, st.seed, st.out_ids.shape[1], STOPS=st.stop_ids.shape[1], num_warps=1,
+    )  # fmt: skip

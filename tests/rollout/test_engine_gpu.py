@@ -55,11 +55,14 @@ def test_fused_sampler_log_probs_greedy_rows_and_distribution_match_the_referenc
     torch.testing.assert_close(freq, torch.softmax(small[0], -1), atol=0.015, rtol=0)
 
 
-def test_fused_decode_step_matches_the_reference_step_in_bf16():
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])  # qwen3: q/k RMSNorm inside the rotary kernel
+def test_fused_decode_step_matches_the_reference_step_in_bf16(arch):
+    from dataclasses import replace
+
     from miles.model.decoder import KVCache, build_decoder
     from miles.rollout.forward import RopeTable, decode_step, decode_step_fused, fuse_projections
 
-    cfg = _cfg("bfloat16")
+    cfg = replace(_cfg("bfloat16"), architecture=arch, attention_bias=arch == "qwen2")
     torch.manual_seed(4)
     model, rope = build_decoder(cfg, seed=0, device="cuda"), RopeTable(cfg, 256, "cuda", torch.bfloat16)
     caches = [KVCache.allocate(cfg, 40, 256, "cuda", torch.bfloat16) for _ in range(2)]
@@ -74,8 +77,12 @@ def test_fused_decode_step_matches_the_reference_step_in_bf16():
 
 
 @pytest.mark.filterwarnings("error:The CUDA Graph is empty")
-def test_graphed_greedy_decoding_equals_the_argmax_of_a_full_forward_with_more_requests_than_slots():
-    engine = EmbeddedEngine(_cfg(), max_batch_size=8, max_seq_len=96, device="cuda", seed=0)
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_graphed_greedy_decoding_equals_the_argmax_of_a_full_forward_with_more_requests_than_slots(arch):
+    from dataclasses import replace
+
+    cfg = replace(_cfg(), architecture=arch, attention_bias=arch == "qwen2")
+    engine = EmbeddedEngine(cfg, max_batch_size=8, max_seq_len=96, device="cuda", seed=0)
     prompts = [[(7 * i + j) % 999 + 1 for j in range(3 + i % 5)] for i in range(20)]
     outs = engine.generate([_req(str(i), p, max_new_tokens=20 + i, temperature=0) for i, p in enumerate(prompts)])
     assert engine.graphs.graphs, "no decode graph was captured"
