@@ -11,14 +11,16 @@ from miles.planner import plan as predict
 from tests.conftest import tiny_run_cfg
 
 
-def _held_device_after_each_step(ledger_path) -> dict[int, int]:
-    held, after = 0, {}
+def _device_held(ledger_path) -> tuple[dict[int, int], dict[int, int]]:
+    """Bytes on the device after the events of each step (init is step -1), and the most held during it."""
+    held, after, peak = 0, {}, {}
     for line in open(ledger_path):
         e = json.loads(line)
         if e["pool"] == "device":
             held += e["bytes"] if e["direction"] == "in" else -e["bytes"]
         after[e["step"]] = held  # events are in order: the last one of a step leaves what the step holds
-    return after
+        peak[e["step"]] = max(peak.get(e["step"], 0), held)
+    return after, peak
 
 
 @pytest.mark.parametrize("mode", ["gpu"], ids=["peak-on-device"])  # the init with the most moves
@@ -38,11 +40,14 @@ def test_a_ray_run_moves_and_holds_the_bytes_the_planner_predicts(tmp_path, ray_
     assert any(p.step == "trainer.warmup()" for p in predicted)
 
     # bytes held on the device after init and after each RL step (the engine and the trainer rank share it)
-    held = _held_device_after_each_step(tmp_path / "run" / "ledger.jsonl")
+    held, peak = _device_held(tmp_path / "run" / "ledger.jsonl")
     init = [p for p in predicted if p.phase in ("construct", "init")]
     per_step = [p for p in predicted if p.phase not in ("construct", "init")]
     n = len(per_step) // 2
     assert held[-1] == init[-1].device > 0
+    # start-up in the plan's order: engines built, their KV released, then the trainer (a trainer built first,
+    # or warmed up beside a resident KV cache, holds more than the planner priced)
+    assert peak[-1] == max(p.device for p in init)
     assert [held[0], held[1]] == [per_step[n - 1].device, per_step[-1].device]
 
     # bytes each plan step moved, as the executor reported them, against the replay's per-step moves
