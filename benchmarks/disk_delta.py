@@ -29,9 +29,9 @@ import zstandard
 
 from miles.model.config import ModelConfig
 from miles.model.decoder import build_decoder
-from miles.sync.delta_version import load_version
-from miles.sync.disk_delta import DiskDeltaConfig, DiskDeltaSync, save_baseline
-from miles.sync.staging_pool import byte_view
+from miles.sync.disk_delta.staging_pool import byte_view
+from miles.sync.disk_delta.transport import DiskDeltaConfig, DiskDeltaSync, save_baseline
+from miles.sync.disk_delta.version import load_version
 
 SIZES = {  # a model whose bf16 weights make a sync long enough to time, trainable in seconds per step
     "cpu": dict(

@@ -229,8 +229,8 @@ def _engine_weights(engine, fingerprint: bool) -> dict:
 def _disk_delta(engines, workdir: str):
     import ray
 
-    from miles.sync.baseline import save_baseline
-    from miles.sync.disk_delta import DiskDeltaConfig, DiskDeltaSync
+    from miles.sync.disk_delta.baseline import save_baseline
+    from miles.sync.disk_delta.transport import DiskDeltaConfig, DiskDeltaSync
 
     root = os.path.join(workdir, "weights")
     baseline = os.path.join(workdir, "baseline.safetensors")

@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 
 from miles.handoff import Step
-from miles.sync.base import call
+from miles.sync.calls import call
 
 
 class PlanExecutor:

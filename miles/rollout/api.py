@@ -59,7 +59,7 @@ class Engine(Protocol):
         ...
 
     def update_weights_from_disk(self, path: str, version: int | None = None) -> None:
-        """Load a safetensors file or a disk-delta version (miles.sync.disk_delta)."""
+        """Load a safetensors file or a disk-delta version (miles.sync.disk_delta.transport)."""
         ...
 
     def set_weight_version(self, version: int) -> None:
@@ -76,7 +76,7 @@ class Transactional(Protocol):
     """Weight updates as transactions: a failure between begin and commit keeps the previous version."""
 
     def begin_weight_update(self, manifest) -> None:
-        """Open an update for the manifest's tensors (miles.sync.base.WeightManifest), validated whole first."""
+        """Open an update for the manifest's tensors (miles.sync.buckets.WeightManifest), validated whole first."""
         ...
 
     def abort_weight_update(self) -> None:

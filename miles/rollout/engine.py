@@ -274,7 +274,7 @@ class EmbeddedEngine(UpdateCalls):
     def update_weights_from_disk(self, path: str, version: int | None = None) -> None:
         """``path``: a safetensors file (loaded whole, as SGLang loads a checkpoint) or a disk-delta sync root
         (the version's delta applied to the weights held now)."""
-        from miles.sync.disk_delta import load_version
+        from miles.sync.disk_delta.transport import load_version
 
         if str(path).endswith(".safetensors"):
             from safetensors.torch import load_file
@@ -293,7 +293,7 @@ class EmbeddedEngine(UpdateCalls):
         if not hasattr(self, "_opened"):
             self._opened = OpenedBuffers()
         if self.weight_receiver().is_open:
-            from miles.sync.base import PieceMeta
+            from miles.sync.buckets import PieceMeta
             from miles.sync.receiver import receive_flat
 
             pieces = [PieceMeta(m.name, m.offset, m.nbytes) for m in handle.metas]
@@ -322,7 +322,7 @@ class EmbeddedEngine(UpdateCalls):
         return self._receiver
 
     def begin_weight_update(self, manifest) -> None:
-        """Open an update (miles.sync.base.WeightManifest): validated whole before any byte moves; pieces then
+        """Open an update (miles.sync.buckets.WeightManifest): validated whole before any byte moves; pieces then
         land in it, ``set_weight_version`` commits it, ``abort_weight_update`` drops it (weights untouched)."""
         if self.memory.is_paused("weights"):
             raise EngineError("weights are released; resume_memory(['weights']) before updating them")

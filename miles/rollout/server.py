@@ -34,7 +34,7 @@ Deliberate differences from SGLang:
   opened only when it is a miles staging buffer of this user in the shared-memory directory, read-only
   (flat_bucket.check_handle). All tensors are checked (name, shape, dtype) before any is written; a mismatch is a
   400 and nothing changes.
-- /update_weights_from_disk: ``model_path`` is a disk-delta directory (miles.sync.disk_delta), not a HF
+- /update_weights_from_disk: ``model_path`` is a disk-delta directory (miles.sync.disk_delta.transport), not a HF
   checkpoint, and ``weight_version`` is required.
 - /init_weights_update_group: joins run on an executor of their own (miles.rollout.group_calls), bounded by
   ``--group-connect-timeout-s``; a second join while one is pending is a 409.
@@ -83,7 +83,7 @@ from miles.rollout.sglang_api import (
     parse_version,
     weight_manifest,
 )
-from miles.sync.baseline import MissingTensorError
+from miles.sync.disk_delta.baseline import MissingTensorError
 
 log = logging.getLogger("miles.serve")
 

@@ -259,7 +259,7 @@ def decode_payload(s: str):
         raw = base64.b64decode(s, validate=True)
     except (ValueError, TypeError) as e:
         raise WireError(f"serialized_named_tensors entry is not base64 ({e}); send base64(torch.save(obj))") from None
-    from miles.sync.base import WeightManifest, WeightSpec
+    from miles.sync.buckets import WeightManifest, WeightSpec
 
     allowed = [BucketHandle, TensorMeta, WeightManifest, WeightSpec, torch.Tensor, torch.UntypedStorage, torch.device]
     try:
@@ -276,10 +276,10 @@ def bucket_handle(obj) -> BucketHandle:
 
 
 def weight_manifest(obj):
-    from miles.sync.base import WeightManifest
+    from miles.sync.buckets import WeightManifest
 
     if not isinstance(obj, WeightManifest):
-        raise WireError(f"manifest must be a serialized miles.sync.base.WeightManifest, got {type(obj).__name__}")
+        raise WireError(f"manifest must be a serialized miles.sync.buckets.WeightManifest, got {type(obj).__name__}")
     return obj
 
 

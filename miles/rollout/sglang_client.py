@@ -170,7 +170,7 @@ class SGLangClient:
         self._update_tensor(encode_payload(handle), FLATTENED_BUCKET, version)
 
     def begin_weight_update(self, manifest) -> None:
-        """Open a failure-safe update (miles.sync.base.WeightManifest); buckets land in it, set_weight_version commits.
+        """Open a failure-safe update (miles.sync.buckets.WeightManifest); buckets land in it, set_weight_version commits.
         Real SGLang has no such transaction: there buckets are applied as they come."""
         if self.flavor == "miles":
             self._post("/miles/begin_weight_update", {"manifest": encode_payload(manifest)})

@@ -16,7 +16,9 @@ import uuid
 import torch
 
 from miles.config import SyncConfig
-from miles.sync.base import BucketSync, Piece, SyncTimer, fused_group, is_actor, layout, submit, wait
+from miles.sync.bucket_sync import BucketSync, SyncTimer
+from miles.sync.buckets import Piece, fused_group, layout
+from miles.sync.calls import is_actor, submit, wait
 from miles.sync.receiver import broadcast, make_group
 
 log = logging.getLogger(__name__)

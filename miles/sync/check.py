@@ -6,7 +6,7 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-from miles.sync.base import byte_view
+from miles.sync.buckets import byte_view
 
 
 class WeightMismatch(AssertionError):
@@ -40,7 +40,7 @@ def check_weights(trainer, engine: Mapping[str, torch.Tensor], *, label: str = "
 
 def check_engines(trainer, engines: list, *, names: Iterable[str] | None = None) -> None:
     """check_weights against every engine (in-process objects or Ray actor handles with ``named_weights()``)."""
-    from miles.sync.base import call
+    from miles.sync.calls import call
 
     trainer = dict(trainer)
     if names is not None:

@@ -34,7 +34,9 @@ from dataclasses import dataclass
 import torch
 
 from miles.rollout.api import ReceivesInPlace, supports
-from miles.sync.base import SyncError, WeightManifest, byte_view, fused_group, submit, wait
+from miles.sync import SyncError
+from miles.sync.buckets import WeightManifest, byte_view, fused_group
+from miles.sync.calls import submit, wait
 from miles.sync.doorbell import Doorbell, DoorbellClient, DoorbellError
 
 log = logging.getLogger(__name__)

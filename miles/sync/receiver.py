@@ -8,7 +8,7 @@ keeps serving exactly its previous weights and version. The shadow costs one ext
 engine memory for the duration of the update (it is freed at commit; in a colocated step the KV cache is
 released at that moment, so the shadow takes its place) and one extra device copy of all bytes.
 
-A group (the shards of one fused engine parameter, see ``miles.sync.base.fused_group``) is written only once
+A group (the shards of one fused engine parameter, see ``miles.sync.buckets.fused_group``) is written only once
 all of its pieces have arrived, even when a fixed bucket cut it across rounds.
 
 Broadcast and RDT arrive once per engine process and are applied to every engine it holds, so their entry
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from miles.sync.base import PieceMeta, WeightManifest, WeightSpec, aligned, byte_view
+from miles.sync.buckets import PieceMeta, WeightManifest, WeightSpec, aligned, byte_view
 
 log = logging.getLogger(__name__)
 
@@ -218,7 +218,7 @@ class WeightReceiver:
 class UpdateCalls:
     """For an engine class with pause_generation / flush_cache / begin_weight_update / set_weight_version /
     continue_generation: the steps around a bucketed sync's buckets in two calls instead of five
-    (miles.sync.base.BucketSync uses them where an engine has them). Every call to an engine actor is a Ray round
+    (miles.sync.bucket_sync.BucketSync uses them where an engine has them). Every call to an engine actor is a Ray round
     trip, ~1 ms on the machines in BENCHMARKS.md."""
 
     def open_weight_update(self, manifest) -> None:

@@ -20,7 +20,9 @@ import time
 import torch
 
 from miles.config import SyncConfig
-from miles.sync.base import BucketSync, Piece, SyncTimer, fused_group, submit, wait
+from miles.sync.bucket_sync import BucketSync, SyncTimer
+from miles.sync.buckets import Piece, fused_group
+from miles.sync.calls import submit, wait
 from miles.sync.flat_bucket import StagingBuffers
 
 NUM_SLOTS = 2

@@ -216,7 +216,7 @@ def test_two_hundred_concurrent_requests_share_a_few_batches(client):
 
 
 def test_an_aborted_weight_update_leaves_the_served_weights_and_version_alone(cfg, client):
-    from miles.sync.base import WeightManifest, fused_group
+    from miles.sync.buckets import WeightManifest, fused_group
 
     original, version = client.named_weights(), client.weight_version
     named = [(k, v + 1.0) for k, v in original.items()]
@@ -238,7 +238,7 @@ def test_an_aborted_weight_update_leaves_the_served_weights_and_version_alone(cf
 
 def test_update_weights_from_distributed_lands_a_broadcast_from_rank_0(client):
     from miles.rollout.launch import free_port
-    from miles.sync.base import Piece, WeightManifest, fused_group, layout
+    from miles.sync.buckets import Piece, WeightManifest, fused_group, layout
     from miles.sync.receiver import broadcast, make_group
 
     original, version = client.named_weights(), client.weight_version

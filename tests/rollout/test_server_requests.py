@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from miles.rollout.launch import free_port
-from miles.sync.disk_delta import DiskDeltaConfig, DiskDeltaSync, save_baseline
+from miles.sync.disk_delta.transport import DiskDeltaConfig, DiskDeltaSync, save_baseline
 
 pytestmark = pytest.mark.timeout(120)
 

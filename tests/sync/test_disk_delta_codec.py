@@ -8,8 +8,8 @@ import pytest
 import safetensors.torch
 import torch
 
-from miles.sync.delta_codec import TensorEncoder, apply_delta, checksum
-from miles.sync.safetensors_dtypes import (
+from miles.sync.disk_delta.codec import TensorEncoder, apply_delta, checksum
+from miles.sync.disk_delta.safetensors_dtypes import (
     SAFETENSORS_DTYPE,
     TORCH_DTYPE,
     Layout,
@@ -17,7 +17,7 @@ from miles.sync.safetensors_dtypes import (
     safetensors_dtype,
     torch_dtype,
 )
-from miles.sync.staging_pool import StagingPool, byte_view
+from miles.sync.disk_delta.staging_pool import StagingPool, byte_view
 
 
 def _bytes(t: torch.Tensor) -> np.ndarray:

@@ -12,8 +12,8 @@ from miles.model.checkpoint import save_hf
 from miles.model.config import ModelConfig
 from miles.model.decoder import build_decoder
 from miles.rollout.engine import EmbeddedEngine, GenerateRequest
-from miles.sync.delta_version import published_versions
-from miles.sync.disk_delta import DiskDeltaConfig, DiskDeltaSync
+from miles.sync.disk_delta.transport import DiskDeltaConfig, DiskDeltaSync
+from miles.sync.disk_delta.version import published_versions
 
 TINY = ModelConfig(
     vocab_size=64,

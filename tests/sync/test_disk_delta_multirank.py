@@ -43,7 +43,7 @@ class TensorEngine:
         self.weight_version = 0
 
     def update_weights_from_disk(self, path: str, version: int) -> None:
-        from miles.sync.disk_delta import load_version
+        from miles.sync.disk_delta.transport import load_version
 
         self.weights = load_version(path, version, self.weights, local_version=self.weight_version)
         self.weight_version = version
@@ -56,8 +56,8 @@ class TensorEngine:
 
 
 def _run_case(rank: int, case: dict) -> dict:
-    from miles.sync.delta_version import published_versions
-    from miles.sync.disk_delta import DiskDeltaConfig, DiskDeltaSync
+    from miles.sync.disk_delta.transport import DiskDeltaConfig, DiskDeltaSync
+    from miles.sync.disk_delta.version import published_versions
 
     partition = case.get("partition", "emitted")
     cfg = DiskDeltaConfig(root=case["root"], baseline=case["baseline"], check_weights=True, partition=partition)
@@ -220,7 +220,7 @@ def _corrupt_header(d):
 
 
 def _checksum_mismatch(d):
-    from miles.sync.disk_delta import Baseline, save_baseline
+    from miles.sync.disk_delta.transport import Baseline, save_baseline
 
     path = str(save_baseline(full_baseline(), d / "b.safetensors"))
     entry = Baseline.from_checkpoint(path).entries["layers.1.w"]
@@ -269,8 +269,8 @@ def test_malformed_baseline_fails_on_every_rank_naming_tensor_layouts_and_rank(r
 
 @pytest.mark.timeout(120)
 def test_two_ranks_sync_three_versions_and_engine_matches_trainer(ranks, tmp_path):
-    from miles.sync.delta_version import read_index
-    from miles.sync.disk_delta import save_baseline
+    from miles.sync.disk_delta.transport import save_baseline
+    from miles.sync.disk_delta.version import read_index
 
     base = str(save_baseline(full_baseline(), tmp_path / "b.safetensors"))
     results = ranks({"root": str(tmp_path / "weights"), "baseline": base, "num_steps": 3})
@@ -286,7 +286,7 @@ def test_two_ranks_sync_three_versions_and_engine_matches_trainer(ranks, tmp_pat
 
 @pytest.mark.timeout(120)
 def test_engine_rejecting_a_version_fails_every_rank_and_keeps_its_weights(ranks, tmp_path):
-    from miles.sync.disk_delta import save_baseline
+    from miles.sync.disk_delta.transport import save_baseline
 
     base = str(save_baseline(full_baseline(), tmp_path / "b.safetensors"))
     stale = full_baseline()
@@ -300,8 +300,8 @@ def test_engine_rejecting_a_version_fails_every_rank_and_keeps_its_weights(ranks
 
 @pytest.mark.timeout(120)
 def test_round_robin_partition_splits_encoding_of_full_tensors_between_ranks(ranks, tmp_path):
-    from miles.sync.delta_version import read_index
-    from miles.sync.disk_delta import save_baseline
+    from miles.sync.disk_delta.transport import save_baseline
+    from miles.sync.disk_delta.version import read_index
 
     base = str(save_baseline(full_baseline(), tmp_path / "b.safetensors"))
     results = ranks({"root": str(tmp_path / "weights"), "baseline": base, "num_steps": 2, "partition": "round_robin"})

@@ -9,8 +9,8 @@ import os
 import pytest
 import torch
 
-from miles.sync.delta_version import VersionError, load_version, published_versions, read_index, version_dir
-from miles.sync.disk_delta import Baseline, DiskDeltaConfig, DiskDeltaSync, MissingTensorError, save_baseline
+from miles.sync.disk_delta.transport import Baseline, DiskDeltaConfig, DiskDeltaSync, MissingTensorError, save_baseline
+from miles.sync.disk_delta.version import VersionError, load_version, published_versions, read_index, version_dir
 
 
 def _weights(step: int) -> dict[str, torch.Tensor]:

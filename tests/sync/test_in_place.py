@@ -11,7 +11,7 @@ from miles.config import SyncConfig
 from miles.model.config import ModelConfig
 from miles.model.decoder import build_decoder
 from miles.rollout.engine import EmbeddedEngine
-from miles.sync.base import SyncError
+from miles.sync import SyncError
 from miles.sync.check import check_weights
 from miles.sync.in_place import InPlaceSync
 from tests.conftest import in_place_versions

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from miles.sync.base import PieceMeta, WeightManifest, byte_view, fused_group
+from miles.sync.buckets import PieceMeta, WeightManifest, byte_view, fused_group
 from miles.sync.receiver import ReceiveError, WeightReceiver
 
 NAMES = [

@@ -10,7 +10,8 @@ import torch
 from miles.config import SyncConfig
 from miles.model.decoder import build_decoder
 from miles.rollout.engine import EmbeddedEngine
-from miles.sync.base import ALIGN, PieceMeta, SyncError, WeightManifest, aligned, byte_view, fused_group, plan_buckets
+from miles.sync import SyncError
+from miles.sync.buckets import ALIGN, PieceMeta, WeightManifest, aligned, byte_view, fused_group, plan_buckets
 from miles.sync.check import WeightMismatch, check_weights, weights_differ
 from miles.sync.receiver import ReceiveError
 from miles.sync.tensor import TensorSync
@@ -66,7 +67,7 @@ def test_experts_of_a_layer_travel_together_even_when_interleaved():
 def test_a_group_larger_than_the_bucket_grows_it_with_one_warning(tiny_model_cfg, caplog):
     named = _named(tiny_model_cfg, 0)
     embed = named[0][1].numel() * 4
-    with caplog.at_level(logging.WARNING, logger="miles.sync.base"):
+    with caplog.at_level(logging.WARNING, logger="miles.sync.buckets"):
         buckets = list(plan_buckets(named, 4096))
         list(plan_buckets(named, 4096))
     big = [b for b in buckets if b[0].name == "model.embed_tokens.weight"]

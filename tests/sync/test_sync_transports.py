@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from miles.sync.base import fused_group, plan_buckets
+from miles.sync.buckets import fused_group, plan_buckets
 from miles.sync.check import check_weights, weights_differ
 from tests.conftest import in_place_versions, tiny_run_cfg
 
@@ -183,7 +183,7 @@ def test_in_place_opens_handles_once_and_again_only_after_a_trainer_storage_move
 
 
 def test_an_engine_asked_for_handles_it_never_opened_refuses_instead_of_reading_stale_memory():
-    from miles.sync.base import WeightManifest
+    from miles.sync.buckets import WeightManifest
     from miles.sync.in_place import OpenedWeights, SharedWeights
     from miles.sync.receiver import ReceiveError
 
@@ -220,7 +220,7 @@ def test_a_doorbell_rung_in_another_process_syncs_bit_equal_and_a_dead_engine_fa
     from miles.model.config import ModelConfig
     from miles.model.decoder import build_decoder
     from miles.rollout.engine import EmbeddedEngine
-    from miles.sync.base import SyncError
+    from miles.sync import SyncError
     from miles.sync.in_place import InPlaceSync
 
     ray = ray_session

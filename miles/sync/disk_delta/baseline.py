@@ -21,9 +21,16 @@ import safetensors.torch
 import torch
 
 from miles.atomic import atomic_write_bytes
-from miles.sync.delta_codec import CHECKSUMS, checksum
-from miles.sync.safetensors_dtypes import TORCH_DTYPE, HeaderEntry, Layout, check_layout, read_header, safetensors_dtype
-from miles.sync.staging_pool import byte_view
+from miles.sync.disk_delta.codec import CHECKSUMS, checksum
+from miles.sync.disk_delta.safetensors_dtypes import (
+    TORCH_DTYPE,
+    HeaderEntry,
+    Layout,
+    check_layout,
+    read_header,
+    safetensors_dtype,
+)
+from miles.sync.disk_delta.staging_pool import byte_view
 
 CHECKSUM_KEY = "miles.checksum."  # metadata key prefix; value "<format>:<hex digest>"
 

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from miles.sync.base import byte_view, host_bytes
+from miles.sync.buckets import byte_view, host_bytes
 
 
 class StagingPool:

@@ -20,11 +20,11 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from miles.sync.base import host_bytes
-from miles.sync.baseline import MissingTensorError
-from miles.sync.delta_codec import apply_delta, checksum
-from miles.sync.safetensors_dtypes import Layout, check_layout, torch_dtype
-from miles.sync.staging_pool import byte_view
+from miles.sync.buckets import host_bytes
+from miles.sync.disk_delta.baseline import MissingTensorError
+from miles.sync.disk_delta.codec import apply_delta, checksum
+from miles.sync.disk_delta.safetensors_dtypes import Layout, check_layout, torch_dtype
+from miles.sync.disk_delta.staging_pool import byte_view
 
 FORMAT = "miles-disk-delta/1"
 INDEX = "index.json"

@@ -1,11 +1,11 @@
-"""miles.sync.base: host_bytes (the bytes of a live tensor for numpy code, without pinning its storage's size) and
-the engine calls BucketSync makes around its buckets."""
+"""miles.sync.buckets.host_bytes (the bytes of a live tensor for numpy code, without pinning its storage's size) and
+the engine calls miles.sync.bucket_sync.BucketSync makes around its buckets."""
 
 import numpy as np
 import pytest
 import torch
 
-from miles.sync.base import host_bytes
+from miles.sync.buckets import host_bytes
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.bool])
@@ -57,7 +57,7 @@ def test_a_bucketed_sync_takes_two_engine_calls_around_its_buckets_where_the_eng
     from miles.model.config import ModelConfig
     from miles.model.decoder import build_decoder
     from miles.rollout.engine import EmbeddedEngine
-    from miles.sync.base import SyncError
+    from miles.sync import SyncError
     from miles.sync.check import check_weights
     from miles.sync.tensor import TensorSync
 

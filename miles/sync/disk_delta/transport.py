@@ -8,9 +8,7 @@ that differs from the baseline, a corrupt baseline file, two ranks disagreeing o
 write) is held until the next gather and raised on every rank naming the first failing rank, so no rank is
 left waiting in a collective and no version is published.
 
-Module map: safetensors_dtypes (dtype table, header parsing), baseline (the validated canonical checkpoint),
-delta_codec (XOR / overwrite + zstd + xxh3), staging_pool (bounded host buffers), delta_version (on-disk
-version format and the engine-side ``load_version``), collective_errors (hold-then-gather).
+The other modules of this package are listed in its ``__init__``.
 """
 
 from __future__ import annotations
@@ -30,11 +28,20 @@ import torch.distributed as dist
 import zstandard
 
 from miles.atomic import atomic_write_text, fsync_dir
-from miles.sync.base import call, host_bytes
-from miles.sync.baseline import Baseline, MissingTensorError, save_baseline, trainer_layout
-from miles.sync.collective_errors import CollectiveError, HeldError, RankError, gather_or_raise, raise_together
-from miles.sync.delta_codec import CHECKSUMS, ENCODINGS, TensorEncoder, checksum
-from miles.sync.delta_version import (
+from miles.sync.buckets import host_bytes
+from miles.sync.calls import call
+from miles.sync.disk_delta.baseline import Baseline, MissingTensorError, save_baseline, trainer_layout
+from miles.sync.disk_delta.codec import CHECKSUMS, ENCODINGS, TensorEncoder, checksum
+from miles.sync.disk_delta.collective_errors import (
+    CollectiveError,
+    HeldError,
+    RankError,
+    gather_or_raise,
+    raise_together,
+)
+from miles.sync.disk_delta.safetensors_dtypes import Layout, check_layout
+from miles.sync.disk_delta.staging_pool import StagingPool, byte_view
+from miles.sync.disk_delta.version import (
     FORMAT,
     LATEST,
     VersionError,
@@ -44,8 +51,6 @@ from miles.sync.delta_version import (
     version_dir,
     write_index,
 )
-from miles.sync.safetensors_dtypes import Layout, check_layout
-from miles.sync.staging_pool import StagingPool, byte_view
 
 __all__ = [
     "Baseline",
@@ -66,7 +71,7 @@ class DiskDeltaConfig:
     # no checkpoint to start from (random init): the first update writes the baseline from its tensors, the
     # engines load it whole, and that version is the baseline version; older versions under root are removed
     write_baseline: bool = False
-    encoding: Literal["xor", "sparse_xor", "overwrite"] = "sparse_xor"  # see miles.sync.delta_codec
+    encoding: Literal["xor", "sparse_xor", "overwrite"] = "sparse_xor"  # see miles.sync.disk_delta.codec
     zstd_level: int = 1  # higher levels barely shrink XOR deltas; -1..-7 trade ratio for speed (see the bench)
     zstd_threads: int = 0  # zstd worker threads per rank (0: compress in the calling thread, -1: one per core)
     checksum: str = "xxh3_128"

@@ -1,0 +1,47 @@
+"""Calling engines the same way whether they are in-process objects or Ray actor handles: ``submit`` starts a
+method (a Ray ObjectRef for an actor, the finished result for a local object), ``wait`` collects results in order.
+
+    pending = [submit(e, "commit_weight_update", version) for e in engines]
+    wait(pending, timeout=60)        # raises the first remote error
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+def call(engine: Any, method: str, *args, **kwargs):
+    """Call ``method`` on an in-process engine or a Ray actor handle alike (blocking)."""
+    return wait([submit(engine, method, *args, **kwargs)])[0]
+
+
+def submit(engine: Any, method: str, *args, **kwargs):
+    """Start ``method``: a Ray ObjectRef for an actor handle, the result itself for an in-process engine."""
+    fn = getattr(engine, method)
+    if hasattr(fn, "remote"):
+        return fn.remote(*args, **kwargs)
+    return _Done(fn(*args, **kwargs))
+
+
+def wait(pending: list, timeout: float | None = None) -> list:
+    """Results of ``submit`` calls, in order (raises the first remote error)."""
+    refs = [p for p in pending if not isinstance(p, _Done)]
+    got = iter(_ray_get(refs, timeout) if refs else [])
+    return [p.value if isinstance(p, _Done) else next(got) for p in pending]
+
+
+def is_actor(engine: Any) -> bool:
+    """True for a Ray actor handle (its methods have ``.remote``)."""
+    return hasattr(getattr(engine, "set_weight_version", None), "remote")
+
+
+@dataclass(frozen=True, slots=True)
+class _Done:
+    value: Any
+
+
+def _ray_get(refs, timeout):
+    import ray
+
+    return ray.get(refs, timeout=timeout)
