@@ -90,7 +90,7 @@ def fused_sample(logits_RV: torch.Tensor, temperature_R: torch.Tensor, seed_t: t
 
 @triton.jit
 def _decode_attn_kernel(
-    q_ptr, k_ptr, v_ptr, lens_ptr, acc_ptr, ml_ptr,
+    q_ptr, k_ptr, v_ptr, lens_ptr, acc_ptr, ml_ptr, out_ptr,
     sq_r, sq_h, sk_b, sk_h, sk_n, sm_scale, split_len,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     IEEE: tl.constexpr,
@@ -128,11 +128,15 @@ def _decode_attn_kernel(
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m = m_new
-    out = (row * (G * tl.num_programs(1)) + heads) * NUM_SPLITS + split  # [rows, heads, splits]
     keep = offs_g < G
-    tl.store(acc_ptr + out[:, None] * D + offs_d[None, :], acc, mask=keep[:, None])
-    tl.store(ml_ptr + out * 2, m, mask=keep)
-    tl.store(ml_ptr + out * 2 + 1, l, mask=keep)
+    if NUM_SPLITS == 1:  # the whole row in one program: normalise here, no partials and no reduce kernel
+        o = (row * (G * tl.num_programs(1)) + heads)[:, None] * D + offs_d[None, :]
+        tl.store(out_ptr + o, (acc / l[:, None]).to(out_ptr.dtype.element_ty), mask=keep[:, None])
+    else:
+        out = (row * (G * tl.num_programs(1)) + heads) * NUM_SPLITS + split  # [rows, heads, splits]
+        tl.store(acc_ptr + out[:, None] * D + offs_d[None, :], acc, mask=keep[:, None])
+        tl.store(ml_ptr + out * 2, m, mask=keep)
+        tl.store(ml_ptr + out * 2 + 1, l, mask=keep)
 
 
 @triton.jit
@@ -157,17 +161,20 @@ def decode_attention_triton(q_RHD, k_cache, v_cache, lens_R, num_splits: int, bl
     G = H // KVH
     split_len = -(-S // num_splits)
     split_len = -(-split_len // block_n) * block_n
-    acc = torch.empty(R, H, num_splits, D, dtype=torch.float32, device=q_RHD.device)
-    ml = torch.empty(R, H, num_splits, 2, dtype=torch.float32, device=q_RHD.device)
     out = torch.empty(R, H, D, dtype=q_RHD.dtype, device=q_RHD.device)
+    acc = ml = out  # one split writes ``out`` itself; more write per-split partials that a second kernel merges
+    if num_splits > 1:
+        acc = torch.empty(R, H, num_splits, D, dtype=torch.float32, device=q_RHD.device)
+        ml = torch.empty(R, H, num_splits, 2, dtype=torch.float32, device=q_RHD.device)
     _decode_attn_kernel[(R, KVH, num_splits)](
-        q_RHD, k_cache, v_cache, lens_R, acc, ml,
+        q_RHD, k_cache, v_cache, lens_R, acc, ml, out,
         q_RHD.stride(0), q_RHD.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         D ** -0.5, split_len,
         G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, BLOCK_N=block_n, NUM_SPLITS=num_splits,
         IEEE=q_RHD.dtype == torch.float32, num_warps=4,
     )  # fmt: skip
-    _decode_reduce_kernel[(R * H,)](acc, ml, out, D=D, NUM_SPLITS=num_splits, num_warps=1)
+    if num_splits > 1:
+        _decode_reduce_kernel[(R * H,)](acc, ml, out, D=D, NUM_SPLITS=num_splits, num_warps=1)
     return out
 
 
