@@ -229,14 +229,15 @@ class AgentConfig:
     harness_url: str = ""  # a running agent harness ("http://host:port"); "" = start one locally
     oversample_factor: float = 1.5  # groups started = ceil(factor * rollout.num_prompts_per_step)
     abort_partial: Literal["buffer", "drop"] = "buffer"  # aborted groups: re-rolled first next step, or dropped
-    flush_enabled: bool = True  # False reproduces the missing flush: surplus episodes run to their end
     flush_timeout_s: float = 5.0  # per instance, per attempt
     flush_retries: int = 2  # extra attempts per instance after a failed flush
     max_turns: int = 4  # model turns per episode before the final test run
     max_tokens_per_turn: int = 48
     episode_timeout_s: float = 120.0  # an episode still running after this is cancelled (zero reward)
     test_timeout_s: float = 30.0  # one run of the sandbox's test
-    slow_test_fraction: float = 0.0  # share of tasks whose test is slow (a CPU-side long tail)
+    # the synthetic repository tasks' workload (miles.agents.swe_tasks): a share whose test is slow, the CPU-side
+    # long tail of real agentic RL that makes flushing matter (the agents recipe sets it)
+    slow_test_fraction: float = 0.0
     slow_test_s: float = 0.0  # how long a slow test runs
 
     def __post_init__(self):

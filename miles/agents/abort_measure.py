@@ -30,7 +30,6 @@ def measure(procs, args: argparse.Namespace, *, step: int, mode: str) -> dict:
         session_ports=f"{ports[0]}-{ports[-1]}",
         oversample_factor=1.0 if mode == "no_oversample" else args.oversample,
         abort_partial="drop",
-        flush_enabled=mode == "abort",
         max_turns=args.max_turns,
         max_tokens_per_turn=args.max_tokens,
         slow_test_fraction=args.slow_fraction,
@@ -41,7 +40,12 @@ def measure(procs, args: argparse.Namespace, *, step: int, mode: str) -> dict:
         test_timeout_s=args.slow_s * 2 + 30,
     )
     rollout = AgentRollout(
-        cfg, harness_url=procs.harness_url, num_groups=args.groups, group_size=args.group_size, seed=1
+        cfg,
+        harness_url=procs.harness_url,
+        num_groups=args.groups,
+        group_size=args.group_size,
+        seed=1,
+        flush=mode == "abort",
     )
     try:
         out = rollout.collect(step)

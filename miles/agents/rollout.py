@@ -71,7 +71,10 @@ class AgentRollout:
         group_size: int,
         temperature: float = 1.0,
         seed: int = 0,
+        flush: bool = True,
     ):
+        """``flush=False`` reproduces the missing flush (surplus episodes run to their end): the agent-abort
+        measurement's baseline, not a run option."""
         if not cfg.instances:
             raise ValueError("agents.session_ports is empty; set it to a port ('8100') or a range ('8100-8103')")
         if not harness_url:
@@ -79,6 +82,7 @@ class AgentRollout:
         self.cfg, self.harness_url = cfg, harness_url.rstrip("/")
         self.instances = dict(cfg.instances)  # port -> instance id: every one of them is flushed
         self.num_groups, self.group_size, self.temperature, self.seed = num_groups, group_size, temperature, seed
+        self._flush = flush
         self.buffer: list[int] = []  # task seeds of aborted groups
         self._client = httpx.Client(timeout=httpx.Timeout(10.0, connect=2.0))
         self.rollout_id = uuid.uuid4().hex[:12]  # names this rollout's sessions on every instance (flush fences)
@@ -95,7 +99,7 @@ class AgentRollout:
         kept, harness_error = self._gather(groups, outstanding, enough=True)
         t_collect = time.perf_counter() - t0
         flush: list[FlushResult] = []
-        if (outstanding or harness_error) and self.cfg.flush_enabled:
+        if (outstanding or harness_error) and self._flush:
             flush = self.flush_all(step)
             self._gather(groups, outstanding, enough=False, wait_s=self.cfg.flush_timeout_s)
         elif outstanding:  # no flush: the surplus runs to its end and the step waits for it
