@@ -1,5 +1,5 @@
 """``miles bench quant-traffic``: for every recipe, the bytes a real trainer offload moves (read from the
-MemoryLedger of a TaggedMemory pause) beside the bytes-per-element x modules prediction, with and without
+MemoryLedger of a TaggedMemory offload) beside the bytes-per-element x modules prediction, with and without
 clearing the quantized workspaces first; plus the bit-equality of outputs after clear + offload + rebuild.
 
 ``--cuda-graphs`` (needs CUDA): capture the forward in a CUDA graph, then offload with clearing on; the clear

@@ -12,7 +12,7 @@ unregistered just before it is unmapped.
     buf.copy_(device_bytes, non_blocking=True)  # async D2H at link speed
     del buf                                     # unregistered, unmapped: RSS drops by arena_footprint(nbytes)
 
-Page-locking a fresh mapping costs time (the driver faults in and pins every page), paid at every pause. Where
+Page-locking a fresh mapping costs time (the driver faults in and pins every page), paid at every offload. Where
 host RAM is plentiful (an H200 node), ``keep_pinned(True)`` keeps released arenas mapped and registered and
 hands them to the next request of the same size (each tag asks for the same size every step): the copy then
 runs at link speed, and the host holds every tag's backup for the whole run (the planner's ``arena_kept``).

@@ -1,8 +1,8 @@
-"""Pause and resume groups of tensors by tag, keeping tensor identity.
+"""Offload and onload groups of tensors by tag, keeping tensor identity.
 
-Pausing a tag copies each storage's bytes to a backup (one host arena per tag, a file on disk, or nowhere
+Offloading a tag copies each storage's bytes to a backup (one host arena per tag, a file on disk, or nowhere
 when the contents are recomputable or re-sent later), then resizes the storage to zero bytes. Modules and
-optimizers keep their references to the same tensor objects; resuming grows the storages back and copies
+optimizers keep their references to the same tensor objects; onloading grows the storages back and copies
 the bytes in, bit-exactly. Every move is written to the MemoryLedger.
 """
 
@@ -90,9 +90,9 @@ def allocate_disk_buffer(nbytes: int, path: str) -> torch.Tensor:
 class _Tag:
     source: TensorSource
     policy: str
-    paused: list[tuple[torch.UntypedStorage, int, int]] = field(default_factory=list)  # (storage, offset, nbytes)
+    offloaded: list[tuple[torch.UntypedStorage, int, int]] = field(default_factory=list)  # (storage, offset, nbytes)
     backup: torch.Tensor | None = None
-    is_paused: bool = False
+    is_offloaded: bool = False
     recorded: int = 0  # device bytes the ledger believes this tag holds
 
 
@@ -102,8 +102,8 @@ class TaggedMemory:
     mem = TaggedMemory("trainer/0", ledger, device)
     mem.register("params", model.parameters(), policy="host")
     mem.register("optimizer", lambda: optimizer_state_tensors(opt), policy="host")
-    mem.pause(["params", "optimizer"])   # device bytes -> host arena, storages resized to 0
-    mem.resume(["params", "optimizer"])  # back, bit-exact; a second resume is a no-op
+    mem.offload(["params", "optimizer"])   # device bytes -> host arena, storages resized to 0
+    mem.onload(["params", "optimizer"])  # back, bit-exact; a second onload is a no-op
     """
 
     def __init__(self, owner: str, ledger: MemoryLedger, device: torch.device, disk_dir: str | None = None):
@@ -127,19 +127,19 @@ class TaggedMemory:
         return list(src() if callable(src) else src)
 
     def resident_bytes(self, tag: str) -> int:
-        if tag not in self.tags or self.tags[tag].is_paused:
+        if tag not in self.tags or self.tags[tag].is_offloaded:
             return 0
         return sum(s.nbytes() for s in unique_storages(self._tensors(tag)))
 
-    def is_paused(self, tag: str) -> bool:
-        return tag in self.tags and self.tags[tag].is_paused
+    def is_offloaded(self, tag: str) -> bool:
+        return tag in self.tags and self.tags[tag].is_offloaded
 
-    def pause(self, tags: Iterable[str], phase: str | None = None) -> int:
+    def offload(self, tags: Iterable[str], phase: str | None = None) -> int:
         """Free the device bytes of ``tags``; returns the bytes that left the device. Unknown tags are skipped."""
         moved, t0 = 0, time.perf_counter()
         for name in tags:
             tag = self.tags.get(name)
-            if tag is None or tag.is_paused:
+            if tag is None or tag.is_offloaded:
                 continue
             storages = unique_storages(self._tensors(name))
             total = sum(s.nbytes() for s in storages)
@@ -159,12 +159,12 @@ class TaggedMemory:
                 n = s.nbytes()
                 if tag.backup is not None:
                     tag.backup[offset : offset + n].copy_(_bytes_view(s), non_blocking=True)
-                tag.paused.append((s, offset, n))
+                tag.offloaded.append((s, offset, n))
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
-            for s, _, _ in tag.paused:
+            for s, _, _ in tag.offloaded:
                 s.resize_(0)
-            tag.is_paused, tag.recorded = True, 0
+            tag.is_offloaded, tag.recorded = True, 0
             pool = {"host": "host", "disk": "disk"}.get(tag.policy)
             self.ledger.record(self.owner, name, "device", total, "out", phase)
             if pool:
@@ -175,15 +175,15 @@ class TaggedMemory:
         self.last_move_seconds = time.perf_counter() - t0
         return moved
 
-    def resume(self, tags: Iterable[str], phase: str | None = None) -> int:
+    def onload(self, tags: Iterable[str], phase: str | None = None) -> int:
         """Give ``tags`` their device bytes back (restoring contents unless discarded); returns the bytes."""
         moved, t0 = 0, time.perf_counter()
         for name in tags:
             tag = self.tags.get(name)
-            if tag is None or not tag.is_paused:
+            if tag is None or not tag.is_offloaded:
                 continue
             total = 0
-            for s, offset, n in tag.paused:
+            for s, offset, n in tag.offloaded:
                 s.resize_(n)
                 if tag.backup is not None:
                     _bytes_view(s).copy_(tag.backup[offset : offset + n], non_blocking=True)
@@ -194,25 +194,25 @@ class TaggedMemory:
             if pool:
                 self.ledger.record(self.owner, name, pool, total, "out", phase)
             self.ledger.record(self.owner, name, "device", total, "in", phase)
-            tag.paused, tag.backup, tag.is_paused, tag.recorded = [], None, False, total
+            tag.offloaded, tag.backup, tag.is_offloaded, tag.recorded = [], None, False, total
             moved += total
         self.last_move_seconds = time.perf_counter() - t0
         return moved
 
     def backup_view(self, tag: str, t: torch.Tensor) -> torch.Tensor:
-        """The paused tensor ``t`` read from its backup (same dtype, shape and strides), without resuming it.
+        """The offloaded tensor ``t`` read from its backup (same dtype, shape and strides), without onloading it.
 
         For a DTensor (an FSDP2 shard) the backup holds only the local shard: the view takes the local tensor's
         shape and strides (the global ones run past the shard's bytes) and is wrapped back into a DTensor on the
         same mesh, so ``full_tensor()`` gathers the whole weight as it does for a resident parameter."""
         entry = self.tags[tag]
-        if not entry.is_paused:
+        if not entry.is_offloaded:
             return t
         if entry.backup is None:
-            raise ValueError(f"tag {tag!r} was discarded on pause (policy 'discard'); its contents cannot be read")
+            raise ValueError(f"tag {tag!r} was discarded on offload (policy 'discard'); its contents cannot be read")
         local = _local(t)
         key = local.untyped_storage()._cdata  # the StorageImpl; data_ptr() is 0 once resized to 0
-        for s, offset, n in entry.paused:
+        for s, offset, n in entry.offloaded:
             if s._cdata == key:
                 raw = entry.backup[offset : offset + n].view(t.dtype)
                 view = raw.as_strided(local.shape, local.stride(), raw.storage_offset() + local.storage_offset())

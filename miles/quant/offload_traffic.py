@@ -54,7 +54,7 @@ def offload_once(model: TinyMoE, device: torch.device, *, clear: bool, cuda_grap
         torch.cuda.synchronize(device)
     before = torch.cuda.memory_allocated(device) if cuda else 0
     t0 = time.perf_counter()
-    mem.pause(TAGS, phase="offload")
+    mem.offload(TAGS, phase="offload")
     seconds = time.perf_counter() - t0
     freed = before - torch.cuda.memory_allocated(device) if cuda else None
     moved = {tag: ledger.moved(phase="offload").get((tag, "host"), 0) for tag in TAGS}
@@ -69,7 +69,7 @@ def measure_recipe(cfg: dict, recipe: str, clear: bool, device: torch.device) ->
     with torch.no_grad():
         before = model(tokens)
     off = offload_once(model, device, clear=clear)
-    off.memory.resume(TAGS, phase="onload")
+    off.memory.onload(TAGS, phase="onload")
     measured, seconds, report = off.moved, off.seconds, off.report
     with torch.no_grad():
         after = model(tokens)  # rebuilds the cleared workspaces on a miss
@@ -132,7 +132,7 @@ def cuda_graph_check(cfg: dict, recipe: str, device: torch.device) -> dict:
         train_step(model, tokens)
         graph, replay_same = _capture_attention(model, tokens, device)
         off = offload_once(model, device, clear=clear, cuda_graphs_captured=True)
-        off.memory.resume(TAGS, phase="onload")
+        off.memory.onload(TAGS, phase="onload")
         results["on" if clear else "off"] = {
             "measured_bytes": sum(off.moved.values()),
             "measured_by_tag": off.moved,

@@ -40,11 +40,11 @@ class Engine(Protocol):
         """Drop cached prefixes (their keys and values belong to the weights about to be replaced)."""
         ...
 
-    def release_memory(self, tags: Iterable[str]) -> int:
+    def offload(self, tags: Iterable[str]) -> int:
         """Free the tagged memory ('weights', 'kv_cache', 'cuda_graph'); returns the bytes freed."""
         ...
 
-    def resume_memory(self, tags: Iterable[str]) -> int:
+    def onload(self, tags: Iterable[str]) -> int:
         """Allocate (and for weights, restore) the tagged memory again; returns the bytes allocated."""
         ...
 

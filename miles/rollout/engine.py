@@ -64,9 +64,9 @@ class EmbeddedEngine(UpdateCalls):
 
     engine = EmbeddedEngine(model_cfg, max_batch_size=64, max_seq_len=128)
     outs = engine.generate([GenerateRequest(rid="0", input_ids=[1, 2, 3])])
-    engine.release_memory(["kv_cache", "weights"])      # while the trainer runs
-    engine.resume_memory(["weights"]); engine.update_weights_from_tensor(named, version=1)
-    engine.resume_memory(["kv_cache"])
+    engine.offload(["kv_cache", "weights"])      # while the trainer runs
+    engine.onload(["weights"]); engine.update_weights_from_tensor(named, version=1)
+    engine.onload(["kv_cache"])
     """
 
     def __init__(
@@ -152,9 +152,9 @@ class EmbeddedEngine(UpdateCalls):
                 f"request {r.rid}: {len(r.sampling.stop_token_ids)} stop token ids; the engine holds at most "
                 f"{STOP_SLOTS} per request on the device"
             )
-        paused = [t for t in ENGINE_TAGS if self.memory.is_paused(t)]
+        paused = [t for t in ENGINE_TAGS if self.memory.is_offloaded(t)]
         if paused:
-            raise EngineError(f"the engine's memory is released; call resume_memory({paused}) before generate")
+            raise EngineError(f"the engine's memory is released; call onload({paused}) before generate")
         if self._unsynced:
             raise WeightsNotSynced(self.unsynced_message())
 
@@ -165,7 +165,7 @@ class EmbeddedEngine(UpdateCalls):
 
     def unsynced_message(self) -> str:
         return (
-            f"the engine's weights were discarded by release_memory(['weights']) and {len(self._unsynced)} of "
+            f"the engine's weights were discarded by offload(['weights']) and {len(self._unsynced)} of "
             f"{len(self._params)} tensors have not been written since; sync the weights (update_weights_*) first"
         )
 
@@ -220,7 +220,7 @@ class EmbeddedEngine(UpdateCalls):
     def flush_cache(self) -> None:
         """Drop cached prefixes. The embedded engine keeps no prefix cache between calls, so nothing is kept."""
 
-    def release_memory(self, tags: Iterable[str]) -> int:
+    def offload(self, tags: Iterable[str]) -> int:
         """Graphs point at the weights', the cache's and their own buffers: releasing any of these drops them."""
         tags = _check_tags(tags)
         phase = "release_" + "+".join(tags)
@@ -228,12 +228,12 @@ class EmbeddedEngine(UpdateCalls):
             if "weights" in tags and self.memory.tags["weights"].policy == "discard":
                 self._unsynced = {id(p) for p in self._params.values()}
             freed = self.graphs.release(phase) if self.graphs is not None else 0
-            return freed + self.memory.pause(tags, phase=phase)
+            return freed + self.memory.offload(tags, phase=phase)
 
-    def resume_memory(self, tags: Iterable[str]) -> int:
+    def onload(self, tags: Iterable[str]) -> int:
         tags = _check_tags(tags)
         with self._lock:
-            moved = self.memory.resume(tags, phase="resume_" + "+".join(tags))
+            moved = self.memory.onload(tags, phase="resume_" + "+".join(tags))
             if "kv_cache" in tags and not self.fast:
                 # a discarded cache resumes with the allocator's bytes, NaN included; the reference attention
                 # masks positions past each row's length, but a mask lets NaN through (0 * NaN), so start clean.
@@ -262,8 +262,8 @@ class EmbeddedEngine(UpdateCalls):
         items = list(named_tensors)
         for name, t in items:
             self._check_weight(name, t.dtype, tuple(t.shape))
-        if self.memory.is_paused("weights"):
-            raise EngineError("weights are released; resume_memory(['weights']) before updating them")
+        if self.memory.is_offloaded("weights"):
+            raise EngineError("weights are released; onload(['weights']) before updating them")
         with self._lock, torch.no_grad():
             for name, t in items:
                 self._target(name).copy_(t, non_blocking=True)
@@ -324,8 +324,8 @@ class EmbeddedEngine(UpdateCalls):
     def begin_weight_update(self, manifest) -> None:
         """Open an update (miles.sync.buckets.WeightManifest): validated whole before any byte moves; pieces then
         land in it, ``set_weight_version`` commits it, ``abort_weight_update`` drops it (weights untouched)."""
-        if self.memory.is_paused("weights"):
-            raise EngineError("weights are released; resume_memory(['weights']) before updating them")
+        if self.memory.is_offloaded("weights"):
+            raise EngineError("weights are released; onload(['weights']) before updating them")
         self.weight_receiver().begin(manifest)
 
     def abort_weight_update(self) -> None:

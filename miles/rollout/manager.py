@@ -166,11 +166,11 @@ class RolloutManager(UpdateCalls):
     @on_compute_thread
     def offload(self, tags) -> int:
         """No call at all for no tags (SGLang reads a missing tag list as every tag)."""
-        return sum(e.release_memory(list(tags)) for e in self.engines) if tags else 0
+        return sum(e.offload(list(tags)) for e in self.engines) if tags else 0
 
     @on_compute_thread
     def onload(self, tags) -> int:
-        return sum(e.resume_memory(list(tags)) for e in self.engines) if tags else 0
+        return sum(e.onload(list(tags)) for e in self.engines) if tags else 0
 
     # ---- weight sync receive side (miles.sync.receiver): one transfer per process, applied to every engine ----
     # (the calls every engine takes alike are fanned out below the class: FANNED_OUT)

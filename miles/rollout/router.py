@@ -27,7 +27,7 @@ class Router:
     router.start_health_checks(interval_s=1.0)
     outs = router.generate(requests, seed=3)        # split over live engines; a failed chunk is retried elsewhere
     outs = await router.agenerate(requests)         # the whole call to the least-loaded engine (serving path)
-    router.release_memory(["kv_cache"]); router.update_weights_from_bucket(h, None); router.set_weight_version(4)
+    router.offload(["kv_cache"]); router.update_weights_from_bucket(h, None); router.set_weight_version(4)
     router.close()
     """
 
@@ -144,17 +144,17 @@ class Router:
                     log.warning("engine %d: %s failed: %s", i, method, e)
         return out
 
-    def release_memory(self, tags: Iterable[str]) -> int:
+    def offload(self, tags: Iterable[str]) -> int:
         tags = list(tags)
         with self._control:
             self.released |= set(tags)
-            return sum(self._each("release_memory", tags))
+            return sum(self._each("offload", tags))
 
-    def resume_memory(self, tags: Iterable[str]) -> int:
+    def onload(self, tags: Iterable[str]) -> int:
         tags = list(tags)
         with self._control:
             self.released -= set(tags)
-            return sum(self._each("resume_memory", tags))
+            return sum(self._each("onload", tags))
 
     def update_weights_from_bucket(self, handle, version: int | None = None) -> None:
         with self._control:
@@ -259,7 +259,7 @@ class Router:
                 else:  # the next sync writes every engine's weights; the version comes with it
                     new.set_weight_version(peer.weight_version)
             if self.released:
-                new.release_memory(sorted(self.released))
+                new.offload(sorted(self.released))
             self.clients[i] = new
             with self._lock:
                 self.alive[i], self.failures[i] = True, 0

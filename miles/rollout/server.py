@@ -242,7 +242,7 @@ class EngineServer:
     def status(self) -> dict:
         e = self.engine
         out = {"status": "ok", "weight_version": e.weight_version}
-        if e.memory.is_paused("weights") or e.memory.is_paused("kv_cache"):
+        if e.memory.is_offloaded("weights") or e.memory.is_offloaded("kv_cache"):
             out.update(status="memory_released", message="memory is released; resume_memory_occupation first")
         elif not e.weights_synced:
             out.update(status="weights_not_synced", message=e.unsynced_message())
@@ -301,11 +301,11 @@ class EngineServer:
 
         @app.api_route("/release_memory_occupation", methods=["GET", "POST"])
         async def release(request: Request):
-            return await self._memory(e.release_memory, parse_tags(await _body(request)))
+            return await self._memory(e.offload, parse_tags(await _body(request)))
 
         @app.api_route("/resume_memory_occupation", methods=["GET", "POST"])
         async def resume(request: Request):
-            return await self._memory(e.resume_memory, parse_tags(await _body(request)))
+            return await self._memory(e.onload, parse_tags(await _body(request)))
 
     def _weight_routes(self, app: FastAPI, e: EmbeddedEngine) -> None:
         """Weight updates: tensor buckets, transactions, disk deltas."""
@@ -418,7 +418,8 @@ class EngineServer:
         @app.get("/miles/memory")
         async def memory():
             tags = {
-                t: {"resident_bytes": e.memory.resident_bytes(t), "paused": e.memory.is_paused(t)} for t in ENGINE_TAGS
+                t: {"resident_bytes": e.memory.resident_bytes(t), "paused": e.memory.is_offloaded(t)}
+                for t in ENGINE_TAGS
             }
             return {"tags": tags, "rss_bytes": process_rss_bytes()}
 
@@ -439,7 +440,7 @@ class EngineServer:
         return {"success": True, "message": f"{fn.__name__} {tags}: {n} bytes", "bytes": n}
 
     def _weights(self) -> dict[str, torch.Tensor]:
-        if self.engine.memory.is_paused("weights"):
+        if self.engine.memory.is_offloaded("weights"):
             raise Conflict('weights are released; /resume_memory_occupation {"tags": ["weights"]} first')
         if not self.engine.weights_synced:  # discarded bytes (often NaN): nothing to read
             raise Conflict(self.engine.unsynced_message())

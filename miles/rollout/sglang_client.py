@@ -34,7 +34,7 @@ class EngineUnavailable(RuntimeError):
 class SGLangClient:
     """client = SGLangClient("http://127.0.0.1:30000", ledger=manager_ledger)
     outs = client.generate(requests, seed=7)                  # one batched POST /generate
-    client.release_memory(["kv_cache", "weights"]); client.resume_memory(["weights"])
+    client.offload(["kv_cache", "weights"]); client.onload(["weights"])
     client.update_weights_from_bucket(handle, None); client.set_weight_version(3)
     client.named_weights(); client.close()                   # close() also stops an owned server process
     """
@@ -133,12 +133,12 @@ class SGLangClient:
         self._post("/flush_cache")
 
     # ---- memory -------------------------------------------------------------------------------------------
-    def release_memory(self, tags: Iterable[str]) -> int:
+    def offload(self, tags: Iterable[str]) -> int:
         n = self._post("/release_memory_occupation", {"tags": list(tags)}).get("bytes", 0)
         self._pull_ledger()
         return n
 
-    def resume_memory(self, tags: Iterable[str]) -> int:
+    def onload(self, tags: Iterable[str]) -> int:
         n = self._post("/resume_memory_occupation", {"tags": list(tags)}).get("bytes", 0)
         self._pull_ledger()
         return n

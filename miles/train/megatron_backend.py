@@ -195,8 +195,8 @@ class MegatronBackend(TorchBackend):
 
     backend = MegatronBackend(model_cfg, trainer_cfg, rank=0, world_size=1, device="cuda", temperature=1.0)
     metrics = backend.train_step(batch)           # GRPO/GSPO/PPO-clip, same loss code as TorchBackend
-    backend.sleep()                               # bf16 params + FP32 master/Adam state to host, grads dropped
-    backend.wake_up()
+    backend.offload()                             # bf16 params + FP32 master/Adam state to host, grads dropped
+    backend.onload()
     for name, tensor in backend.named_weights():  # HF names, full tensors in model_cfg.dtype
         ...
     """
@@ -331,13 +331,13 @@ class MegatronBackend(TorchBackend):
         return float(grad_norm)
 
     def _zero_grads(self) -> None:
-        if not (hasattr(self, "memory") and self.memory.is_paused("grads")):  # a paused buffer has no bytes to zero
+        if not (hasattr(self, "memory") and self.memory.is_offloaded("grads")):  # a paused buffer has no bytes to zero
             self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
 
     # ---- weights ------------------------------------------------------------------------------------------
     def _megatron_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        paused = self.memory.is_paused("params")
+        paused = self.memory.is_offloaded("params")
         for name, p in self.model.module.module.named_parameters():
             yield name, (self.memory.backup_view("params", p) if paused else p.detach())
 
@@ -365,9 +365,9 @@ class MegatronBackend(TorchBackend):
         if not self.offload_enabled:
             return 0
         self._zero_grads()
-        return self.memory.pause([t for t in tags if t in self.memory.tags], phase)
+        return self.memory.offload([t for t in tags if t in self.memory.tags], phase)
 
     def onload(self, tags=TRAIN_TAGS, phase: str = "onload_train") -> int:
-        moved = self.memory.resume([t for t in tags if t in self.memory.tags], phase)
+        moved = self.memory.onload([t for t in tags if t in self.memory.tags], phase)
         self._zero_grads()  # the grad buffer comes back with undefined bytes (discard policy); backward accumulates into it
         return moved

@@ -1,8 +1,8 @@
 """The torch trainer backend: the decoder trained with GRPO/GSPO/PPO-clip on one rank or sharded with FSDP2.
 
 Implements the trainer-backend contract (forward_logprobs, train_step, named_weights in HF names,
-state_dict/load_state_dict) and the Offloadable contract through TaggedMemory (sleep/wake_up,
-offload/onload by tag, clear_memory). Tags: ``params``, ``grads``, ``optimizer`` (``ref`` when KL is on).
+state_dict/load_state_dict) and the Offloadable contract through TaggedMemory (offload/onload
+by tag, clear_memory). Tags: ``params``, ``grads``, ``optimizer`` (``ref`` when KL is on).
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ class TorchBackend:
 
     backend = TorchBackend(model_cfg, trainer_cfg, rank=0, world_size=1, temperature=1.0)
     metrics = backend.train_step(batch)           # one rollout batch: num_minibatches optimizer steps
-    backend.sleep()                               # params/optimizer to host, grads dropped
-    backend.wake_up()
+    backend.offload()                             # params/optimizer to host, grads dropped
+    backend.onload()
     for name, tensor in backend.named_weights():  # HF names, full tensors (collective under FSDP2)
         ...
     """
@@ -243,7 +243,7 @@ class TorchBackend:
         for name, p in self.model.named_parameters():
             if tied and name == "lm_head.weight":
                 continue
-            t = self.memory.backup_view("params", p) if self.memory.is_paused("params") else p.detach()
+            t = self.memory.backup_view("params", p) if self.memory.is_offloaded("params") else p.detach()
             if hasattr(t, "full_tensor"):
                 t = t.full_tensor()
             yield name, t
@@ -290,10 +290,10 @@ class TorchBackend:
             from miles.quant import clear_quantized_workspaces
 
             clear_quantized_workspaces(self._models())  # pure functions of the weights: rebuilt, not copied
-        return self.memory.pause([t for t in tags if t in self.memory.tags], phase)
+        return self.memory.offload([t for t in tags if t in self.memory.tags], phase)
 
     def onload(self, tags=TRAIN_TAGS, phase: str = "onload_train") -> int:
-        return self.memory.resume([t for t in tags if t in self.memory.tags], phase)
+        return self.memory.onload([t for t in tags if t in self.memory.tags], phase)
 
     def clear_memory(self) -> None:
         """Drop gradients and cached allocator blocks (nothing that needs a copy). No gc.collect(): tensors are
@@ -301,13 +301,6 @@ class TorchBackend:
         self.optimizer.zero_grad(set_to_none=True)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-
-    def sleep(self) -> int:
-        self.clear_memory()
-        return self.offload()
-
-    def wake_up(self) -> int:
-        return self.onload()
 
 
 def _accumulate(acc: dict, new: dict, n: int) -> dict:

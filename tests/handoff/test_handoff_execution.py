@@ -117,8 +117,8 @@ def test_a_second_sleep_or_wake_is_a_no_op_on_both_sides(tmp_path):
     co = Colocated(small_cfg(tmp_path))
     backend, manager = co.build_trainer(), co.manager
     co.ledger.drain()
-    assert backend.sleep() > 0 and backend.sleep() == 0
-    assert backend.wake_up() > 0 and backend.wake_up() == 0
+    assert backend.offload() > 0 and backend.offload() == 0
+    assert backend.onload() > 0 and backend.onload() == 0
     kv, w = (engine_level_tags(co.cfg.handoff, v) for v in ("offload_kv", "offload_weights"))
     assert manager.offload(kv) > 0 and manager.offload(kv) == 0
     assert manager.offload(w) > 0 and manager.offload(w) == 0

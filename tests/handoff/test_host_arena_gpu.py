@@ -47,7 +47,7 @@ def test_tagged_pause_and_resume_through_pinned_arenas_are_bit_exact():
     ref = [t.clone() for t in ts]
     mem = TaggedMemory("trainer/0", MemoryLedger(), "cuda")
     mem.register("params", ts)
-    assert mem.pause(["params"]) == sum(t.untyped_storage().nbytes() for t in ref)
+    assert mem.offload(["params"]) == sum(t.untyped_storage().nbytes() for t in ref)
     assert mem.tags["params"].backup.is_pinned()
-    mem.resume(["params"])
+    mem.onload(["params"])
     assert all(torch.equal(a, b) for a, b in zip(ts, ref))

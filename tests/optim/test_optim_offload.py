@@ -107,11 +107,11 @@ def test_step_with_params_paused_by_tagged_memory_raises():
     loss_at(model, 0).backward()
     mem = TaggedMemory("trainer/0", MemoryLedger(), torch.device("cpu"))
     mem.register("params", model.parameters(), policy="host")
-    mem.pause(["params"])
+    mem.offload(["params"])
     with pytest.raises(MasterWeightsNotResidentError, match=r"8 of 8 master weights"):
         offloader.restore()
         opt.step()
-    mem.resume(["params"])
+    mem.onload(["params"])
     opt.step()
 
 

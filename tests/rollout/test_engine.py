@@ -60,11 +60,11 @@ def test_top_p_keeps_only_the_nucleus(engine):
 def test_release_and_resume_free_and_restore_memory(engine):
     ids = [_req("0", [1, 2], max_new_tokens=4, temperature=0)]
     engine.generate(ids)
-    engine.release_memory(["kv_cache", "weights"])
+    engine.offload(["kv_cache", "weights"])
     assert engine.cache.k[0].untyped_storage().nbytes() == 0
     with pytest.raises(EngineError, match="memory is released"):
         engine.generate(ids)
-    engine.resume_memory(["kv_cache", "weights"])
+    engine.onload(["kv_cache", "weights"])
     # weights were discarded (policy 'discard'): they come back only through a weight update
     assert engine.weight_version == 0
 
@@ -74,8 +74,8 @@ def test_a_kv_cache_resumed_with_garbage_generates_as_a_clean_one(engine, monkey
     # and ragged rows leave positions past a row's length inside the reference attention's window.
     reqs = [_req(str(i), [1, 2, 3][: 1 + i % 3], max_new_tokens=8, temperature=1.0) for i in range(6)]
     clean = engine.generate(reqs, seed=7)
-    engine.release_memory(["kv_cache"])
-    resume = engine.memory.resume
+    engine.offload(["kv_cache"])
+    resume = engine.memory.onload
 
     def resume_with_garbage(tags, phase=None):
         moved = resume(tags, phase)
@@ -83,8 +83,8 @@ def test_a_kv_cache_resumed_with_garbage_generates_as_a_clean_one(engine, monkey
             t.fill_(float("nan"))  # what a reused allocation may hold
         return moved
 
-    monkeypatch.setattr(engine.memory, "resume", resume_with_garbage)
-    engine.resume_memory(["kv_cache"])
+    monkeypatch.setattr(engine.memory, "onload", resume_with_garbage)
+    engine.onload(["kv_cache"])
     poisoned = engine.generate(reqs, seed=7)
     assert [o.output_ids for o in poisoned] == [o.output_ids for o in clean]
     assert [o.output_log_probs for o in poisoned] == [o.output_log_probs for o in clean]
@@ -135,4 +135,4 @@ def test_bad_requests_get_clear_errors(engine, req, message):
 
 def test_unknown_memory_tag_lists_the_valid_ones(engine):
     with pytest.raises(EngineError, match="valid tags: \\['weights', 'kv_cache', 'cuda_graph'\\]"):
-        engine.release_memory(["kv"])
+        engine.offload(["kv"])

@@ -120,10 +120,10 @@ def test_cuda_graph_tag_bytes_in_the_ledger_equal_the_planners_prediction_and_ar
     assert pool_segment_bytes(pool) == sum(pool_segments(cfg, 64))  # the reservation, exactly, and no growth
     assert held() == sum(graph_tag_storages(cfg, 64)) > 0
     before = torch.cuda.memory_reserved()
-    engine.release_memory(["cuda_graph"])
+    engine.offload(["cuda_graph"])
     assert held() == 0 and pool_segment_bytes(pool) == 0  # the whole pool handed back (no workspace left in it)
     assert before - torch.cuda.memory_reserved() >= sum(pool_segments(cfg, 64))
-    engine.resume_memory(["cuda_graph"])
+    engine.onload(["cuda_graph"])
     outs = engine.generate([_req("a", [5, 6, 7], max_new_tokens=30, temperature=0)])
     assert len(outs[0].output_ids) == 30 and held() == sum(graph_tag_storages(cfg, 64))
 

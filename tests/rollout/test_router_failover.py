@@ -70,11 +70,11 @@ def test_a_killed_engine_is_marked_dead_the_run_goes_on_and_recovery_restores_it
         assert all(o.finish_reason == "length" and o.weight_version == step for o in outs)
         if step == 3:  # recovery while the fleet's kv cache is released (as during a train step)
             assert router.alive == [True, False, True]
-            router.release_memory(["kv_cache"])
+            router.offload(["kv_cache"])
             router.check_health()
             assert router.alive == [True, True, True]
             assert router.clients[1].memory()["tags"]["kv_cache"]["paused"] is True
-            router.resume_memory(["kv_cache"])
+            router.onload(["kv_cache"])
         weights = _sync(router, step)
     assert [kind for _, kind, i in router.events if i == 1] == ["dead", "recovered"]
     for c in router.clients:

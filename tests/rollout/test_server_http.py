@@ -90,16 +90,16 @@ def test_release_and_resume_by_tag_frees_and_restores_the_tagged_bytes(client):
     before = client.memory()["tags"]
     weights = client.named_weights()
     assert before["kv_cache"]["resident_bytes"] > 0 and before["weights"]["resident_bytes"] > 0
-    assert client.release_memory(["kv_cache"]) == before["kv_cache"]["resident_bytes"]  # storages resized to 0 bytes
+    assert client.offload(["kv_cache"]) == before["kv_cache"]["resident_bytes"]  # storages resized to 0 bytes
     mid = client.memory()["tags"]
     assert mid["kv_cache"] == {"resident_bytes": 0, "paused": True}
     assert mid["weights"]["resident_bytes"] == before["weights"]["resident_bytes"]
-    assert client.release_memory(["weights"]) == before["weights"]["resident_bytes"]
+    assert client.offload(["weights"]) == before["weights"]["resident_bytes"]
     assert client.memory()["tags"]["weights"]["resident_bytes"] == 0
     with pytest.raises(EngineError, match="released"):
         client.generate(_reqs(1))
     assert (
-        client.resume_memory(["weights", "kv_cache"])
+        client.onload(["weights", "kv_cache"])
         == before["weights"]["resident_bytes"] + before["kv_cache"]["resident_bytes"]
     )
     assert client.memory()["tags"] == before

@@ -91,8 +91,8 @@ def test_an_engine_whose_discarded_weights_were_resumed_refuses_generate_with_40
     s = serve()  # quickstart: weights_policy "discard"
     client = SGLangClient(s.url)
     original = _weights(s.url)
-    client.release_memory(["weights"])
-    client.resume_memory(["weights"])
+    client.offload(["weights"])
+    client.onload(["weights"])
     r = httpx.post(s.url + "/generate", json=GOOD)
     assert r.status_code == 409 and "sync the weights" in r.json()["message"], r.text
     health = httpx.get(s.url + "/health")

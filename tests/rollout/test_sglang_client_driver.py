@@ -50,8 +50,8 @@ def test_a_real_sglang_server_generates_and_releases_memory_through_the_client(t
             [GenerateRequest(rid="0", input_ids=[1, 2, 3], sampling=SamplingParams(max_new_tokens=4))]
         )
         assert len(out[0].output_ids) == 4 and len(out[0].output_log_probs) == 4
-        client.release_memory(["kv_cache", "weights"])
-        client.resume_memory(["kv_cache", "weights"])
+        client.offload(["kv_cache", "weights"])
+        client.onload(["kv_cache", "weights"])
         client.set_weight_version(3)
         assert client.weight_version == 3
     finally:

@@ -59,14 +59,14 @@ def test_a_doorbell_runs_every_update_after_the_first_and_a_failed_ring_keeps_th
     try:
         rung = in_place_versions(sync, named, (1, 2, 3), engine.named_weights)
         assert rung == [0, 1, 1] and engine.weight_version == 3 and sync.exports == 1
-        engine.release_memory(["weights"])  # an engine that cannot take the update
+        engine.offload(["weights"])  # an engine that cannot take the update
         with torch.no_grad():
             for _, t in named:
                 t.add_(0.01)
         with pytest.raises(SyncError, match="keep serving their previous version") as err:
             sync.update(named, 4)
         assert "weights" in str(err.value.__cause__)  # the engine's own reason, through the doorbell
-        engine.resume_memory(["weights"])  # (their bytes come back with the next sync)
+        engine.onload(["weights"])  # (their bytes come back with the next sync)
         assert engine.weight_version == 3
         sync.update(named, 5)
         assert sync.metrics()["sync/rung"] == 0  # by call again after a failure

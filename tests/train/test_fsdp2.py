@@ -33,8 +33,8 @@ def _rank(rank, port, out):
     full = _equal_length_batch()
     b.train_step(full.split(2)[rank])
     weights = {k: v.clone() for k, v in b.named_weights()}
-    b.sleep()
-    b.wake_up()
+    b.offload()
+    b.onload()
     if rank == 0:
         torch.save(weights, out)
     dist.destroy_process_group()
@@ -71,8 +71,8 @@ def _rank_syncs_from_host_offload(rank, port, out):
     b = TorchBackend(CFG, TrainerConfig(), rank=rank, world_size=2, offload_policy="host")
     b.train_step(_equal_length_batch().split(2)[rank])
     resident = {k: v.clone() for k, v in b.named_weights()}
-    b.sleep()  # params now live only in each rank's host arena, as during a colocated weight sync
-    assert b.memory.is_paused("params")
+    b.offload()  # params now live only in each rank's host arena, as during a colocated weight sync
+    assert b.memory.is_offloaded("params")
     engine = EmbeddedEngine(CFG, max_batch_size=1, max_seq_len=8, seed=1)
     engine.update_weights_from_tensor(b.named_weights(), version=1)  # collective: every rank gathers
     if rank == 0:

@@ -110,16 +110,16 @@ def test_the_policy_path_never_asks_megatron_for_fp32_output(backends):
     assert torch.isfinite(torch.tensor(metrics["grad_norm"]))
 
 
-def test_sleep_and_wake_up_keep_weights_and_training_bit_exact(backends):
+def test_offload_and_onload_keep_weights_and_training_bit_exact(backends):
     _, mg, _, _ = backends
     before = {k: v.clone() for k, v in mg.named_weights()}
     free0 = torch.cuda.memory_allocated()
-    moved = mg.sleep()
+    moved = mg.offload()
     assert moved > 0 and torch.cuda.memory_allocated() < free0
     offloaded = dict(mg.named_weights())  # readable from the host backup
     assert all(torch.equal(offloaded[k].cpu(), before[k].cpu()) for k in before)
-    mg.wake_up()
-    mg.wake_up()  # idempotent
+    mg.onload()
+    mg.onload()  # idempotent
     after = dict(mg.named_weights())
     assert all(torch.equal(after[k], before[k]) for k in before)
     assert torch.isfinite(torch.tensor(mg.train_step(_batch(mg.model_cfg, seed=2))["grad_norm"]))
@@ -146,7 +146,7 @@ def test_distributed_optimizer_over_one_rank_trains_like_the_plain_optimizer():
     for seed in (11, 12):
         a, b = plain.train_step(_batch(cfg, seed=seed)), sharded.train_step(_batch(cfg, seed=seed))
         assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-3 * a["grad_norm"], (a, b)
-    sharded.sleep(), sharded.wake_up()
+    sharded.offload(), sharded.onload()
     wa, wb = dict(plain.named_weights()), dict(sharded.named_weights())
     worst = max((wa[k].float() - wb[k].float()).abs().max().item() for k in wa)
     print(f"\ndistributed optimizer (1 rank) vs plain: max weight diff after 2 steps {worst:.2e}")

@@ -34,9 +34,9 @@ def test_sleep_and_wake_keep_weights_and_optimizer_state_bit_exact(tiny_model_cf
     b.train_step(_batch())
     w = {k: v.clone() for k, v in b.named_weights()}
     opt = {k: v.clone() for k, v in enumerate(t for t in b.optimizer.state[next(iter(b.optimizer.state))].values())}
-    assert b.sleep() > 0 and b.memory.is_paused("params") and b.memory.is_paused("optimizer")
+    assert b.offload() > 0 and b.memory.is_offloaded("params") and b.memory.is_offloaded("optimizer")
     assert all(torch.equal(w[k], v) for k, v in b.named_weights())  # readable while asleep (from the host backup)
-    b.wake_up()
+    b.onload()
     assert all(torch.equal(w[k], v) for k, v in b.named_weights())
     assert all(torch.equal(opt[k], v) for k, v in enumerate(b.optimizer.state[next(iter(b.optimizer.state))].values()))
 
@@ -45,8 +45,8 @@ def test_a_step_after_sleep_and_wake_equals_a_step_without(tiny_model_cfg):
     a, b = TorchBackend(tiny_model_cfg, TrainerConfig()), TorchBackend(tiny_model_cfg, TrainerConfig())
     for backend in (a, b):
         backend.train_step(_batch(seed=1))
-    b.sleep()
-    b.wake_up()
+    b.offload()
+    b.onload()
     a.train_step(_batch(seed=2))
     b.train_step(_batch(seed=2))
     assert all(torch.equal(x, y) for (_, x), (_, y) in zip(a.named_weights(), b.named_weights()))
