@@ -2,10 +2,9 @@
 
 torch's CPU kernels use OpenMP, and OpenMP keeps a team of worker threads per calling thread. While a process
 has one team, its idle workers spin and the next kernel starts at once; once a second thread has run a parallel
-kernel, libgomp sees more workers than cores and puts idle workers to sleep, so every kernel pays a wake-up.
-Measured on the 2-core VM (``miles bench actor-threads``, ``openmp_teams_matmul``: a 32x256 @ 256x768 matmul in a
-single-threaded Ray actor): about twice as slow on either thread once a second thread has used torch (167 ->
-323-349 us), for the life of the process.
+kernel, libgomp sees more workers than cores and puts idle workers to sleep, so every kernel pays a wake-up,
+on either thread, for the life of the process (``miles bench actor-threads`` measures it: ``openmp_teams_matmul``;
+figures in BENCHMARKS.md).
 
 So an actor's torch work stays on one thread:
 
@@ -15,12 +14,9 @@ So an actor's torch work stays on one thread:
   while a hot call waits): calls arrive on Ray's pool threads, so the constructor and the hot methods run on a
   ComputeThread instead. ``actor_options(n)`` marks the actor for that through its environment.
 
-``miles bench actor-threads`` (the trl_parity rollout's ``generate``, a weight read on Ray's thread between
-calls as in the RL loop; 2-core VM, medians of 15 calls, variants alternating in one run): everything on Ray's
-one thread 0.234 s, the same as in-process (0.234 s); built and run on a compute thread of a single-threaded
-actor 0.350 s; of a max_concurrency=4 actor 0.343 s; on whichever pool thread is free 0.391 s. In the RL loop
-(trl_parity, 3 paired runs) moving single-threaded actors off their compute thread took a step from 0.59-0.74 s
-to 0.54-0.55 s.
+The contract: a single-threaded actor's torch work runs as fast as the same work in-process, and a compute
+thread costs less than hopping between Ray's pool threads. ``miles bench actor-threads`` compares the variants
+side by side (the trl_parity rollout's ``generate``; BENCHMARKS.md, benchmarks/results/actor-threads.cpu.json).
 
     class RolloutManager:
         @init_on_compute_thread("rollout-compute")

@@ -19,9 +19,9 @@ try:
 except ImportError as e:  # pragma: no cover - the dispatcher checks HAS_TRITON before importing us
     raise ImportError("the fused log-prob kernel needs Triton: pip install 'miles[gpu]'") from e
 
-# One program per row streams the row in BLOCK_V tiles. Picked from `miles bench logprob --sweep` on one H200
-# (T=8192, V=151,936, bf16): 8192 x 8 warps gave 0.65 ms forward / 1.91 ms forward+backward, against
-# 0.70 / 1.98 for 4096 x 8 and 0.88 / 2.16 for 1024 x 4 (32 FP32 values per thread).
+# One program per row streams the row in BLOCK_V tiles (32 FP32 values per thread). The fastest tile of
+# `miles bench logprob --sweep` on one H200 (T=8192, V=151,936, bf16), forward and forward+backward; the sweep's
+# figures are in benchmarks/results/logprob.gpu.json ("fused_sweep") and BENCHMARKS.md.
 BLOCK_V = 8192
 NUM_WARPS = 8
 

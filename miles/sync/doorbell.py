@@ -2,8 +2,8 @@
 
 An in-place sync (miles.sync.in_place) moves no bytes through the call that starts it: the engine already holds
 the trainer's tensors, opened once, and only needs "copy version v now" and an answer. Through a Ray actor call
-that is ~1 ms on a GPU host (submit, schedule, return through the object store, measured by ``miles bench
-weight-sync`` as ``ray_call_s``), about half a device copy of 4 GiB on an H200. The doorbell is a Unix domain
+that costs a submit, a schedule and a return through the object store, comparable to the device copy itself on a
+GPU host (``miles bench weight-sync`` reports it as ``ray_call_s``; BENCHMARKS.md). The doorbell is a Unix domain
 socket served by a thread in the engine process: the trainer writes 24 bytes (the handles' key and the version),
 the thread runs the same update the Ray call would (same pause, same receiver lock, same validation) and answers
 with a short JSON line. A failure comes back as an error message; a dead engine as a closed socket. The trainer

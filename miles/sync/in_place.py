@@ -7,9 +7,9 @@ engine call that copies straight from the trainer's tensors into the engine's we
 transactional receiver as every transport: validated first, shadow or direct, version set at commit). Handles
 are exported again only when a tensor's storage moved (a new address), so a sync costs one device copy of the
 bytes plus one request to each engine process. On CUDA that request, after the first update, is a doorbell
-(miles.sync.doorbell: a Unix socket the engine process serves from a thread) instead of a Ray call: H200, 4.17 GB
-of bf16 weights, 3.4–3.6 ms per sync by doorbell vs 4.9–5.6 ms by Ray call, a device-to-device copy of the same
-bytes ~2.0 ms (BENCHMARKS.md). On CPU the Ray call stays (a copy on a second thread of the engine process would start a second OpenMP
+(miles.sync.doorbell: a Unix socket the engine process serves from a thread) instead of a Ray call, so a sync
+costs little more than the device copy itself (``miles bench weight-sync`` measures both against a plain
+device-to-device copy; BENCHMARKS.md). On CPU the Ray call stays (a copy on a second thread of the engine process would start a second OpenMP
 team there, miles.threads); ``InPlaceSync(doorbell=True/False)`` overrides either default.
 
 When to use it: trainer and engines on one host (one GPU shared by two processes, or colocated), the trainer's

@@ -6,7 +6,7 @@ collective group and ``gloo`` (CPU) exists for testing the path anywhere.
 
 How it works: the trainer owns one fixed staging bucket of ``update_weight_buffer_size`` bytes, allocated once
 outside expandable segments (VMM memory cannot be exported by CUDA IPC or registered with NIXL, which then
-falls back to a bounce path of about 0.3 GB/s) and registered / exported once at its full size, so a broken
+falls back to a slow bounce path) and registered / exported once at its full size, so a broken
 GPU-direct path shows at connect instead of hiding behind a small-buffer fast path. The embedded engines hold
 unsharded weights, so one bucket serves every engine (a tensor-parallel engine would get one per rank).
 Each round, views of the weights are copied into the bucket; the trainer calls *itself* through Ray with

@@ -218,8 +218,8 @@ class WeightReceiver:
 class UpdateCalls:
     """For an engine class with pause_generation / flush_cache / begin_weight_update / set_weight_version /
     continue_generation: the steps around a bucketed sync's buckets in two calls instead of five
-    (miles.sync.bucket_sync.BucketSync uses them where an engine has them). Every call to an engine actor is a Ray round
-    trip, ~1 ms on the machines in BENCHMARKS.md."""
+    (miles.sync.bucket_sync.BucketSync uses them where an engine has them). Every call to an engine actor is a Ray
+    round trip (``ray_call_s`` in ``miles bench weight-sync``)."""
 
     def open_weight_update(self, manifest) -> None:
         self.pause_generation("in_place")
@@ -241,11 +241,9 @@ def byte_view_of_param(p: torch.Tensor) -> torch.Tensor:
 
 def _copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
     """dst[i].copy_(src[i]) for all flat uint8 pairs. One copy_ per tensor: for contiguous same-dtype CUDA tensors
-    that is a cudaMemcpyAsync, where torch's batched _foreach_copy_ runs an elementwise kernel over bytes
-    (measured on the H200, 4.17 GB read through CUDA IPC, 11:25Z: 6.8 ms batched, 4.5 ms one copy_ each, 2.8 ms
-    since the byte views are cached). Memory opened
-    through CUDA IPC copies as fast as the process's own (benchmarks/ipc_copy_probe.py, H200: 2.28 ms for 4.4 GB
-    either way, 2.09 ms as one flat copy; an int64 elementwise kernel instead of cudaMemcpy: 2.37 ms)."""
+    that is a cudaMemcpyAsync, where torch's batched _foreach_copy_ runs a slower elementwise kernel over bytes
+    (``miles bench weight-sync`` on a GPU). Memory opened through CUDA IPC copies as fast as the process's own
+    (``python benchmarks/ipc_copy_probe.py``; figures in BENCHMARKS.md)."""
     for d, x in zip(dsts, srcs):
         d.copy_(x, non_blocking=True)
 

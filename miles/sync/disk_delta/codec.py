@@ -201,7 +201,7 @@ def _apply_sparse(payload: bytes, old: np.ndarray) -> np.ndarray:
         )
     new = np.zeros(num_words * 8, np.uint8)
     new[: old.nbytes] = old
-    changed = np.flatnonzero(mask)  # integer indexing is ~4x faster than boolean-mask assignment here
+    changed = np.flatnonzero(mask)  # integer indexing is faster than boolean-mask assignment here
     new.view(np.uint64)[changed] ^= words
     if new[old.nbytes :].any():
         raise ValueError("sparse_xor payload is malformed: it changes padding bytes past the end of the tensor")
