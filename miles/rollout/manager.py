@@ -95,6 +95,7 @@ class RolloutManager(UpdateCalls):
         self.last_samples = samples
         metrics = rollout_metrics(samples) | rounds.metrics() | extra
         metrics |= {"time/rollout": time.perf_counter() - t0, "weight_version": samples[0].weight_version}
+        metrics |= engine_health(self.engines)
         return to_shards(samples, self.tokenizer.pad_token_id, self.cfg.trainer.world_size), metrics
 
     def _scored_round(self, key: int, rounds: RoundLog) -> list[Sample]:
@@ -281,6 +282,15 @@ def sglang_engines(cfg, device: str, ledger=None) -> list:
     router = Router(clients, restart=restart)
     router.start_health_checks()
     return [router]
+
+
+def engine_health(engines) -> dict[str, int]:
+    """``engines/live``: engines taking requests now; ``engines/recovered``: restarts a Router completed so far in
+    this run (a killed server brought back with the current weights). An engine without a router counts as live."""
+    routers = [e for e in engines if isinstance(e, Router)]
+    live = sum(len(r.live()) for r in routers) + len(engines) - len(routers)
+    recovered = sum(kind == "recovered" for r in routers for _, kind, _ in r.events)
+    return {"engines/live": live, "engines/recovered": recovered}
 
 
 # Engine calls (miles.rollout.api.Engine, Transactional) that the manager makes on every engine it drives, in order.

@@ -197,18 +197,26 @@ class Router:
     def abort(self, rids="all") -> None:
         self._each("abort", rids)
 
-    def _first_live(self) -> SGLangClient:
-        live = self.live()
-        if not live:
-            raise NoEngineAlive("every engine behind the router is dead")
-        return self.clients[live[0]]
+    def _ask_live(self, read: Callable[[SGLangClient], object]):
+        """``read`` on the first live engine that answers; one that fails (killed, not yet marked dead) counts a
+        failure and the next live one is asked."""
+        errors = []
+        for i in self.live():
+            try:
+                out = read(self.clients[i])
+                self._succeeded(i)
+                return out
+            except EngineUnavailable as e:
+                self._failed(i, e)
+                errors.append(f"engine {i}: {e}")
+        raise NoEngineAlive(f"no engine behind the router answered ({'; '.join(errors) or 'all dead'})")
 
     @property
     def weight_version(self) -> int:
-        return self._first_live().weight_version
+        return self._ask_live(lambda c: c.weight_version)
 
     def named_weights(self):
-        return self._first_live().named_weights()
+        return self._ask_live(lambda c: c.named_weights())
 
     # ---- health and recovery ------------------------------------------------------------------------------
     def start_health_checks(self, interval_s: float = 1.0) -> None:
