@@ -213,15 +213,18 @@ def test_each_handoff_plan_phase_sends_exactly_its_engine_steps_release_and_resu
     assert any("weights" in tags for _, tags in everything) == ("weight" in level), everything
 
 
-def test_the_readme_gb300_command_validates_and_launches_sglang_with_a_host_mirror_over_four_gpus():
+def test_the_readme_gb300_command_validates_plans_and_launches_sglang_with_a_host_mirror_over_four_gpus():
     from miles.config import apply_overrides
+    from miles.planner import resolve_plan
     from miles.recipes import get_recipe
 
     readme = open(os.path.join(os.path.dirname(__file__), "..", "..", "README.md")).read()
     block = readme[readme.index("miles train --recipe gb300_qwen3_235b_plan") :].split("```")[0]
     sets = [s.split()[0].strip("'") for s in block.split("--set ")[1:]]
-    assert "rollout.engine=sglang" in sets and len(sets) == 9
+    assert "rollout.engine=sglang" in sets and len(sets) == 10
     cfg = apply_overrides(get_recipe("gb300_qwen3_235b_plan"), sets)
+    assert resolve_plan(cfg).mode in ("cpu", "gpu")  # train() resolves it before Ray starts: a refusal raises here
+    assert cfg.trainer.backend == "megatron" and cfg.sync.transport == "broadcast"
     argv = sglang_engine_argv(cfg, 0, 30000)
     assert argv[2] == "sglang.launch_server" and argv[-3:] == ["--enable-weights-cpu-backup", "--tp-size", "4"]
 
