@@ -77,7 +77,7 @@ LEARNS = (
 )
 # Rise = mean reward of the last 3 RL steps - mean of the first 3. Measured with the embedded engine (in process,
 # Intel CPU here, seeds 0-4): +0.39, +0.24, +0.34, +0.32, +0.45. train() over the stand-in SGLang engines gave the
-# same per-step rewards to the last digit (seed 4; the stand-in serves the same engine). Floating point on another
+# same per-step rewards to the last digit (seeds 0, 1, 4; the stand-in serves the same engine). Floating point on another
 # CPU changes the trajectory after a few steps, much as another seed does: the threshold is well under the smallest.
 MIN_RISE = 0.1
 
