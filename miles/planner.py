@@ -41,16 +41,18 @@ class TagSize:
     storages: tuple[int, ...]  # bytes of each storage on one GPU (what the ledger sums)
     policy: str  # "host" | "disk" | "discard"
     lazy: bool = False  # created by the first train step (the torch backend's AdamW moments)
+    grown: tuple[int, ...] = ()  # added by the first train step to a tag made at build (Megatron's Adam moments)
 
     @property
     def bytes(self) -> int:
-        return sum(self.storages)
+        return sum(self.storages) + sum(self.grown)
 
-    def footprint(self, allocator: str = "arena") -> int:
+    def footprint(self, allocator: str = "arena", grown: bool = True) -> int:
         """Host RAM one backup of this tag takes: one arena of 64-byte aligned blocks."""
-        if self.policy != "host" or not self.bytes:
+        held = self.storages + (self.grown if grown else ())
+        if self.policy != "host" or not sum(held):
             return 0
-        packed = sum(-(-n // ALIGN) * ALIGN for n in self.storages)
+        packed = sum(-(-n // ALIGN) * ALIGN for n in held)
         return caching_allocator_footprint(packed) if allocator == "caching" else arena_footprint(packed)
 
 
@@ -213,6 +215,11 @@ def _decoder_sizes(cfg: RunConfig, cuda_graphs: bool = False) -> Sizes:
         ("engine", "weights"): TagSize("engine", "weights", params * r.num_engines, eng_pol),
         ("engine", "kv_cache"): TagSize("engine", "kv_cache", kv, "discard"),
     }
+    megatron = t.backend == "megatron"
+    if megatron:  # built with FP32 master weights and an FP32 grad buffer; Adam's two FP32 moments at the first step
+        fp32 = tuple(4 * n // DTYPE_BYTES[m.dtype] for n in params)
+        tags[("trainer", "optimizer")] = TagSize("trainer", "optimizer", fp32, train_pol, grown=fp32 * 2)
+        tags[("trainer", "grads")] = TagSize("trainer", "grads", (sum(fp32),), "discard")
     if cuda_graphs:
         graphs = tuple(graph_tag_storages(m, r.max_batch_size)) * r.num_engines
         tags[("engine", "cuda_graph")] = TagSize("engine", "cuda_graph", graphs, "discard")
@@ -230,13 +237,13 @@ def _decoder_sizes(cfg: RunConfig, cuda_graphs: bool = False) -> Sizes:
     )
     # grads (model dtype) live through the step; on top of them either the activations (forward/backward) or the
     # foreach AdamW's one parameter-sized temporary (sqrt of the second moment) during optimizer.step
-    transient = sum(params) + max(act, sum(params))
+    transient = (0 if megatron else sum(params)) + max(act, sum(params))  # Megatron's grads are in its buffer
     n = m.num_parameters
     fp32_first = 4 * sum(params) // DTYPE_BYTES[m.dtype] if m.dtype != "float32" else 0  # build, then .to(dtype)
     return Sizes(
         tags,
         transient,
-        grads_persist=False,
+        grads_persist=megatron,
         build_transient=fp32_first,
         model={"name": f"embedded {m.architecture}", "parameters": n, "dtype": m.dtype, "exact": t.precision == "bf16"},
     )  # quantized workspaces of the torch backend are not sized here
@@ -328,10 +335,15 @@ class _State:
         self.sizes, self.allocator = sizes, allocator
         self.created = {k: not s.lazy and s.owner == "engine" for k, s in sizes.tags.items()}  # trainer: at build
         self.resident = dict.fromkeys(sizes.tags, True)
+        self.grown = dict.fromkeys(sizes.tags, False)  # a tag's ``grown`` storages exist (after the first train)
         self.kept: dict[tuple[str, str], int] = {}  # arena_kept: every host arena ever made stays mapped
 
     def size(self, key) -> int:
-        return self.sizes.tags[key].bytes if self.created[key] else 0
+        t = self.sizes.tags[key]
+        return (sum(t.storages) + (sum(t.grown) if self.grown[key] else 0)) if self.created[key] else 0
+
+    def footprint(self, key) -> int:
+        return self.sizes.tags[key].footprint(self.allocator, self.grown[key])
 
     def device(self) -> int:
         return sum(self.size(k) for k in self.sizes.tags if self.resident[k])
@@ -342,7 +354,7 @@ class _State:
         total = 0
         for k, s in self.sizes.tags.items():
             if not self.resident[k] and s.policy == pool and self.created[k]:
-                total += s.footprint(self.allocator) if footprint else s.bytes
+                total += self.footprint(k) if footprint else self.size(k)
         return total
 
     def move(self, step: Step, onto_device: bool) -> dict[str, int]:
@@ -356,7 +368,7 @@ class _State:
             if self.size(key):
                 moved[tag] = self.size(key)
                 if not onto_device:
-                    self.kept[key] = max(self.kept.get(key, 0), self.sizes.tags[key].footprint(self.allocator))
+                    self.kept[key] = max(self.kept.get(key, 0), self.footprint(key))
         return moved
 
 
@@ -413,6 +425,8 @@ def _train(st: _State, hw, rpn: int) -> PlannedStep:
     for k, s in st.sizes.tags.items():
         if s.lazy and s.owner == "trainer" and st.resident[k]:
             st.created[k] = k != ("trainer", "grads") or st.sizes.grads_persist
+        if s.grown and st.created[k] and st.resident[k]:
+            st.grown[k] = True
     grads = st.sizes.tags.get(("trainer", "grads"))
     extra = st.sizes.train_transient + (grads.bytes if grads is not None and not st.sizes.grads_persist else 0)
     return _row(st, "train", "trainer.train_step", {}, hw, rpn, extra)

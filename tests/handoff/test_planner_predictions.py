@@ -133,3 +133,34 @@ def test_the_embedded_engines_cuda_graph_tag_is_planned_on_a_gpu_and_empty_on_th
 def test_plan_step_counts_outside_the_bound_are_refused_before_any_replay(steps):
     with pytest.raises(ValueError, match=rf"\(miles plan --steps\) = {steps} must be in \[0, 100\]; .* the default 2"):
         plan(get_recipe("gb300_kimi_k2_plan"), "gb300", num_steps=steps)  # the API; the CLI's argparse bounds too
+
+
+def test_the_megatron_trainers_held_bytes_are_what_the_h200_measured():
+    """benchmarks/results/megatron-embedded.gpu.json: the Megatron trainer with the embedded engine on one H200
+    (benchmarks/megatron_embedded.py), whose trainer held bytes the planner then got wrong (FP32 master weights and
+    grad buffer at build, Adam moments at the first step); the planner's replay must give the measured bytes."""
+    import json
+    from pathlib import Path
+
+    from miles.config import apply_overrides
+    from miles.planner import plan
+    from miles.recipes import h200_100m
+
+    measured = json.loads((Path(__file__).parents[2] / "benchmarks/results/megatron-embedded.gpu.json").read_text())
+    shrink = [  # benchmarks/megatron_embedded.py's SHRINK
+        "rollout.num_prompts_per_step=16",
+        "rollout.n_samples_per_prompt=8",
+        "rollout.max_new_tokens=16",
+        "rollout.max_batch_size=128",
+        "trainer.warmup_sft_steps=0",
+        "trainer.backend=megatron",
+        "device=cuda",
+    ]
+    cfg = apply_overrides(h200_100m(), shrink)
+    assert cfg.model.num_parameters == measured["parameters"]
+    rows = iter(plan(cfg, "h200", num_steps=measured["steps"][-1]["step"] + 1).steps)
+    trainer = [m for m in measured["held_mismatches"] if m["step"].startswith("trainer.")]
+    assert len(trainer) >= 2
+    for m in trainer:
+        row = next(r for r in rows if r.step == m["step"])
+        assert row.device == m["held"], (m["step"], row.device, m["held"])
