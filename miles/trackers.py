@@ -70,10 +70,16 @@ class WandbTracker:
         import wandb
 
         self.run = wandb.init(project=project, dir=str(run_dir), mode="offline", config=config, reinit=True)
+        # two step axes: wandb's own step only moves forward, so warm-up rows (sft_step 0, 1, ...) logged at a
+        # step would merge into one and RL rows after them would be dropped; each row names its axis instead
+        self.run.define_metric("rl_step")
+        self.run.define_metric("sft_step")
+        self.run.define_metric("*", step_metric="rl_step")
+        self.run.define_metric("sft/*", step_metric="sft_step")
 
     def log(self, row: dict) -> None:
         step, values = scalars(row)
-        self.run.log(values, step=0 if row.get("phase") == "sft" else step)
+        self.run.log({**values, "sft_step" if row.get("phase") == "sft" else "rl_step": step})
 
     def close(self) -> None:
         self.run.finish()

@@ -1,8 +1,9 @@
-"""Trackers: every metrics row the run directory writes also reaches TensorBoard under the same names; wandb
-without its package is refused with the install hint; unknown trackers are refused."""
+"""Trackers: every metrics row the run directory writes also reaches TensorBoard and an offline wandb run under
+the same names; wandb without its package is refused with the install hint; unknown trackers are refused."""
 
 import importlib.util
 import json
+import time
 
 import pytest
 
@@ -49,3 +50,47 @@ def test_wandb_without_its_package_is_refused_with_the_install_hint():
 def test_an_unknown_tracker_is_refused_naming_the_choices():
     with pytest.raises(ValueError, match=r"has unknown \['mlflow'\]; choose from \('jsonl', 'tensorboard', 'wandb'\)"):
         LogConfig(trackers=("mlflow",))
+
+
+def _wandb_history(run_file) -> list[dict]:
+    """The history records of an offline wandb run file: a LevelDB-style log (32 KiB blocks, 7-byte record
+    headers: crc, length, type full/first/middle/last) of protobuf Records after wandb's 7-byte file header."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data, pos, chunks, part = run_file.read_bytes(), 7, [], b""
+    while pos + 7 <= len(data):
+        left = 32768 - pos % 32768
+        _, n, kind = struct.unpack("<IHB", data[pos : pos + 7]) if left >= 7 else (0, 0, 0)
+        if kind == 0:  # block trailer or padding
+            pos += left
+            continue
+        body, pos = data[pos + 7 : pos + 7 + n], pos + 7 + n
+        part = body if kind in (1, 2) else part + body
+        if kind in (1, 4):
+            chunks.append(part)
+    out = []
+    for c in chunks:
+        r = pb.Record()
+        r.ParseFromString(c)
+        if r.WhichOneof("record_type") == "history":
+            out.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item})
+    return out
+
+
+def test_wandb_offline_gets_every_warmup_and_rl_row_on_its_own_axis(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run = RunDir(tmp_path)
+    rows = [{"phase": "sft", "sft_step": i, "loss": 2.0 - i} for i in range(3)]
+    rows += [{"step": i, "reward": 0.25 * i, "loss": 1.0} for i in range(3)]
+    with Trackers.open(LogConfig(trackers=("jsonl", "wandb")), run):
+        for r in rows:
+            run.append_metrics(r)
+    (run_file,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
+    deadline = time.monotonic() + 20  # wandb's own process writes the file; it may still be flushing
+    while len(history := _wandb_history(run_file)) < len(rows) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert [(h["sft_step"], h["sft/loss"]) for h in history if "sft/loss" in h] == [(0, 2.0), (1, 1.0), (2, 0.0)]
+    assert [(h["rl_step"], h["reward"]) for h in history if "reward" in h] == [(0, 0.0), (1, 0.25), (2, 0.5)]
