@@ -9,7 +9,9 @@ ASGI middleware in front of the whole app, refuses:
   allow-list; 403),
 - a request body that is not declared ``application/json`` (415; SGLang's clients always declare it),
 - with an API key set (``--api-key`` or ``MILES_API_KEY``, as SGLang's ``--api-key``): a request without
-  ``Authorization: Bearer <key>`` (401), except the liveness probe ``/health``.
+  ``Authorization: Bearer <key>`` (401), except the liveness probe ``/health``,
+- with a body limit set (``max_body_bytes``): a body larger than it (413), by its Content-Length before any byte
+  is read, or, sent chunked, as soon as the bytes read pass the limit (a client cannot fill the server's memory).
 
     app.add_middleware(HttpGuard, api_key=key, allowed_hosts=allowed_hosts("127.0.0.1"))
 """
@@ -80,8 +82,10 @@ class HttpGuard:
         api_key: str = "",
         allowed_hosts: tuple[str, ...] = LOOPBACK_HOSTS,
         open_paths: tuple[str, ...] = ("/health",),
+        max_body_bytes: int = 0,
     ):
         self.app, self.api_key, self.open_paths = app, api_key, open_paths
+        self.max_body_bytes = max_body_bytes  # 0 = no limit
         self.any_host = "*" in allowed_hosts
         self.hosts = {host_of(h) for h in allowed_hosts}
 
@@ -89,13 +93,31 @@ class HttpGuard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         problem = self.check(scope)
-        if problem is None:
+        if problem is not None:
+            return await _refuse(send, *problem)
+        if not self.max_body_bytes:
             return await self.app(scope, receive, send)
-        status, message, extra = problem
-        body = json.dumps({"success": False, "message": message, "error": {"message": message, "code": status}})
-        headers = [(b"content-type", b"application/json"), *extra]
-        await send({"type": "http.response.start", "status": status, "headers": headers})
-        await send({"type": "http.response.body", "body": body.encode()})
+        seen, started = 0, False
+
+        async def counted_receive():
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.max_body_bytes:
+                raise _BodyTooLarge()
+            return message
+
+        async def tracked_send(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, counted_receive, tracked_send)
+        except _BodyTooLarge:
+            if started:
+                raise
+            await _refuse(send, 413, self._too_large(f"more than {self.max_body_bytes}"), [])
 
     def check(self, scope) -> tuple[int, str, list] | None:
         """None when the request may pass, else (status, message naming the fix, extra headers)."""
@@ -122,7 +144,28 @@ class HttpGuard:
             ctype = headers.get("content-type", "").split(";", 1)[0].strip().lower()
             if ctype != "application/json":
                 return 415, f"Content-Type {ctype!r} is not accepted; send the body as 'application/json'", []
+        length = headers.get("content-length", "").strip()
+        if self.max_body_bytes and length.isdigit() and int(length) > self.max_body_bytes:
+            return 413, self._too_large(length), []
         return None
+
+    def _too_large(self, size: str) -> str:
+        return (
+            f"request body of {size} bytes exceeds this server's limit of {self.max_body_bytes} bytes; send large "
+            "weights by file (update_weights_from_disk, flattened_bucket handles) or raise the limit "
+            "(miles serve --max-request-mb)"
+        )
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+async def _refuse(send, status: int, message: str, extra: list) -> None:
+    body = json.dumps({"success": False, "message": message, "error": {"message": message, "code": status}})
+    headers = [(b"content-type", b"application/json"), *extra]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body.encode()})
 
 
 def _has_body(headers: dict[str, str]) -> bool:

@@ -47,7 +47,7 @@ def create_app(
     """
     reader = RunDirReader(run_dir)
     app = FastAPI(title="miles dashboard", docs_url=None, redoc_url=None, openapi_url=None)
-    app.add_middleware(HttpGuard, allowed_hosts=tuple(allowed_hosts))
+    app.add_middleware(HttpGuard, allowed_hosts=tuple(allowed_hosts), max_body_bytes=1 << 20)  # it reads; no uploads
     app.state.reader = reader
 
     @app.exception_handler(NotInRunDir)

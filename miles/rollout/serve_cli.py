@@ -43,6 +43,13 @@ def _parser() -> argparse.ArgumentParser:
         default=30.0,
         help="how long /init_weights_update_group waits for the rendezvous before it answers 400",
     )
+    p.add_argument(
+        "--max-request-mb",
+        type=_mib,
+        default=2048.0,
+        help="largest request body accepted, in MiB (413 above it; 0 = no limit): weights inline in a request "
+        "are held in memory whole, large ones belong in files",
+    )
     p.add_argument("--owner", default="engine/0", help="owner name in the memory ledger")
     p.add_argument(
         "--batch-wait-ms", type=float, default=5.0, help="how long to collect concurrent requests into a batch"
@@ -77,6 +84,16 @@ def _port(text: str) -> int:
     if not 0 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"{text!r} is not a port; use 0..65535 (0 = any free port)")
     return port
+
+
+def _mib(text: str) -> float:
+    try:
+        mib = float(text)
+    except ValueError:
+        mib = -1.0
+    if not 0 <= mib < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size in MiB; use a number >= 0 (0 = no limit)")
+    return mib
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -138,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         api_key=api_key,
         allowed_hosts=allowed_hosts(args.host, args.allowed_hosts),
         group_connect_timeout_s=args.group_connect_timeout_s,
+        max_request_bytes=int(args.max_request_mb * 2**20),
     )
     if args.parent_pid:
         _watch_parent(args.parent_pid)

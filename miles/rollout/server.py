@@ -128,6 +128,7 @@ class EngineServer:
         api_key: str = "",
         allowed_hosts: tuple[str, ...] = LOOPBACK_HOSTS,
         group_connect_timeout_s: float = 30.0,
+        max_request_bytes: int = 0,
     ):
         self.engine, self.info = engine, info or {}
         self.batch_wait_s = batch_wait_ms / 1000
@@ -135,7 +136,9 @@ class EngineServer:
         self.paused_in_place = False
         self.groups = GroupCalls(engine, connect_timeout_s=group_connect_timeout_s)
         self.app = FastAPI(title="miles serve", lifespan=self._lifespan)
-        self.app.add_middleware(HttpGuard, api_key=api_key, allowed_hosts=allowed_hosts)
+        self.app.add_middleware(
+            HttpGuard, api_key=api_key, allowed_hosts=allowed_hosts, max_body_bytes=max_request_bytes
+        )
         self._routes()
 
     @contextlib.asynccontextmanager

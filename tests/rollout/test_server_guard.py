@@ -98,3 +98,27 @@ def test_the_host_allow_list_is_loopback_and_the_bound_host_and_reads_ipv6_host_
         "a.example",
         "127.0.0.1.evil",
     ]
+
+
+def test_a_body_over_the_limit_is_refused_whole_or_chunked_and_the_server_keeps_serving(serve):
+    s = serve(max_request_bytes=1000)
+    big = b'{"new_version": 7, "pad": "' + b"x" * 2000 + b'"}'
+    json_ct = {"Content-Type": "application/json"}
+    r = httpx.post(s.url + "/update_weight_version", content=big, headers=json_ct)
+    assert r.status_code == 413 and "limit of 1000 bytes" in r.json()["message"] and "--max-request-mb" in r.text
+
+    def chunks():  # no Content-Length: the guard counts the bytes as they arrive
+        for i in range(0, len(big), 256):
+            yield big[i : i + 256]
+
+    r = httpx.post(s.url + "/update_weight_version", content=chunks(), headers=json_ct)
+    assert r.status_code == 413 and "more than 1000" in r.json()["message"]
+    assert _version(s.url) == 0
+    ok = httpx.post(s.url + "/update_weight_version", json={"new_version": 5})
+    assert ok.status_code == 200 and _version(s.url) == 5
+
+
+def test_a_negative_body_limit_is_refused_naming_the_flag(capsys):
+    with pytest.raises(SystemExit):
+        serve_main(["--max-request-mb", "-1"])
+    assert "'-1' is not a size in MiB" in capsys.readouterr().err
