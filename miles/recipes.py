@@ -36,11 +36,18 @@ MODEL_SIZES = {
 
 
 def quickstart() -> RunConfig:
-    """The CPU default: a ~0.8M-parameter Qwen2-style decoder learns to reverse letters in a few minutes."""
+    """The CPU default: a ~0.8M-parameter Qwen2-style decoder learns to sort letters in about two minutes.
+
+    Sorting, not reversing: a sorted answer needs which letters the prompt holds and in which order, which the policy
+    improves letter by letter under positional credit. Reversal needs an exact positional lookup that this model
+    forms in a sudden, seed-dependent jump (after ~70 supervised steps for seed 0, ~160 for seed 1), so its RL gain
+    was +0.04 to +0.31 over seeds 0-3. 25 warm-up steps teach the answer format only; 32 prompts per step halve the
+    variance of the gradient and of the reward curve; the entropy bonus slows the collapse (1.3 -> 0.1) that ends
+    learning on a plateau. Seeds 0-4: BENCHMARKS.md."""
     return RunConfig(
         recipe="quickstart",
         seed=0,
-        num_steps=100,
+        num_steps=120,
         run_dir="runs/quickstart",
         checkpoint_every=25,
         device="auto",
@@ -53,16 +60,16 @@ def quickstart() -> RunConfig:
             num_key_value_heads=2,
             max_position_embeddings=64,
         ),
-        task=TaskConfig(name="reverse", min_len=3, max_len=5, alphabet="abcdef"),
+        task=TaskConfig(name="sort", min_len=3, max_len=5, alphabet="abcdef"),
         rollout=RolloutConfig(
-            num_prompts_per_step=16,
+            num_prompts_per_step=32,
             n_samples_per_prompt=8,
             max_new_tokens=8,
             temperature=1.0,
-            max_batch_size=128,
+            max_batch_size=256,
             max_seq_len=64,
         ),
-        trainer=TrainerConfig(lr=1e-3, warmup_sft_steps=40, warmup_sft_lr=3e-3, num_minibatches=2),
+        trainer=TrainerConfig(lr=1e-3, warmup_sft_steps=25, warmup_sft_lr=3e-3, num_minibatches=2, entropy_coef=0.03),
         sync=SyncConfig(transport="tensor"),
         handoff=HandoffConfig(colocate_memory_peak_device="cpu", offload_train="host"),
     )
@@ -97,7 +104,8 @@ def trl_parity() -> RunConfig:
                 "max_seq_len": 128,
                 "max_batch_size": 32,
             },  # KV cache for the 32 completions, not 128
-            "trainer": {**cfg.to_dict()["trainer"], "warmup_sft_steps": 0, "num_minibatches": 1},
+            "task": {**cfg.to_dict()["task"], "name": "reverse"},
+            "trainer": {**cfg.to_dict()["trainer"], "warmup_sft_steps": 0, "num_minibatches": 1, "entropy_coef": 0.0},
             # trainer and engine fit side by side (3.2M parameters): no handoff, as in TRL; handoff costs are measured
             # by `miles bench handoff` and the quickstart run
             "handoff": {**cfg.to_dict()["handoff"], "offload_train": "none", "offload_rollout": False},
@@ -122,7 +130,8 @@ def h200_100m() -> RunConfig:
     d["rollout"].update(
         num_prompts_per_step=64, n_samples_per_prompt=8, max_new_tokens=16, max_batch_size=512, max_seq_len=64
     )
-    d["trainer"].update(lr=3e-4, warmup_sft_lr=1e-3)
+    d["task"].update(name="reverse")  # the reversal task, warm-up and objective measured on the H200 before
+    d["trainer"].update(lr=3e-4, warmup_sft_lr=1e-3, warmup_sft_steps=40, entropy_coef=0.0)
     return RunConfig.from_dict(d)
 
 
@@ -139,7 +148,7 @@ def smollm2() -> RunConfig:
     d["rollout"].update(
         num_prompts_per_step=4, n_samples_per_prompt=4, max_new_tokens=12, max_seq_len=128, max_batch_size=16
     )  # one step's 16 rows: quickstart's 128 would hold a 0.75 GB KV cache
-    d["trainer"].update(lr=1e-5, warmup_sft_steps=0)
+    d["trainer"].update(lr=1e-5, warmup_sft_steps=0, entropy_coef=0.0)
     return RunConfig.from_dict(d)
 
 
@@ -165,7 +174,7 @@ def smollm2_math() -> RunConfig:
         max_batch_size=512,
     )  # the eval's 128 x 4 sampled completions go in one batch
     # FP32 weights (the GGUF's dequantized values): Adam steps of lr 1e-5 are below a bf16 weight's resolution
-    d["trainer"].update(lr=1e-5, warmup_sft_steps=0, num_minibatches=2)
+    d["trainer"].update(lr=1e-5, warmup_sft_steps=0, num_minibatches=2, entropy_coef=0.0)
     d["data"].update(train=generated_train("mixed", 20000), eval=split_path("mixed"), reward="math")
     d["eval"].update(every=5, k=4, temperature=0.7, max_new_tokens=48)
     d["handoff"].update(offload_train="none", offload_rollout=False)  # 135M: trainer and engine fit side by side
@@ -200,7 +209,9 @@ def _gb300_plan(
     the same GPUs with a host weight mirror (what a released SGLang engine keeps), `auto` peak device."""
     d = quickstart().to_dict()
     d.update(recipe=name, run_dir=f"runs/{name}", device="cuda", num_steps=100, checkpoint_every=0)
-    d["trainer"].update(backend="megatron", world_size=4 * trays, warmup_sft_steps=0, lr=1e-6, **trainer)
+    d["trainer"].update(
+        backend="megatron", world_size=4 * trays, warmup_sft_steps=0, lr=1e-6, entropy_coef=0.0, **trainer
+    )
     d["rollout"].update(
         num_engines=num_engines,
         num_prompts_per_step=64,

@@ -12,6 +12,8 @@ def test_tasks_are_deterministic_per_step_and_answers_are_correct():
     assert t.problems(3, 5) == t.problems(3, 5) != t.problems(4, 5)
     for p in t.problems(0, 20):
         assert p.target == p.prompt.removeprefix("rev ").removesuffix("=")[::-1]
+    for p in Task(TaskConfig(name="sort"), seed=0).problems(0, 20):  # the quickstart's task
+        assert p.target == "".join(sorted(p.prompt.removeprefix("sort ").removesuffix("="))) != ""
     for p in Task(TaskConfig(name="add", max_len=3), seed=0).problems(0, 20):
         a, b = p.prompt.removesuffix("=").split("+")
         assert int(p.target) == int(a) + int(b)
