@@ -261,7 +261,7 @@ def agent_swe() -> RunConfig:
     d["rollout"].update(
         num_prompts_per_step=4, n_samples_per_prompt=4, max_new_tokens=32, max_batch_size=32, max_seq_len=2048
     )
-    d["trainer"].update(warmup_sft_steps=0, num_minibatches=1)
+    d["trainer"].update(warmup_sft_steps=0, num_minibatches=1, entropy_coef=0.0)
     d["agents"].update(
         session_ports="8100-8101",
         oversample_factor=1.5,
