@@ -320,12 +320,6 @@ class RunConfig:
         check_run(self)  # data / eval across sections (miles.data.config)
         if self.trainer.backend == "megatron" and self.device == "cpu":
             raise ValueError("trainer.backend = 'megatron' needs a GPU; use device=cuda or trainer.backend=torch")
-        if self.sync.transport == "broadcast" and self.rollout.engine == "http" and self.rollout.num_engines > 1:
-            raise ValueError(
-                "sync.transport = 'broadcast' with rollout.engine = 'http' reaches one engine server (the "
-                f"group has one receiving rank), not rollout.num_engines = {self.rollout.num_engines}; use "
-                "sync.transport=tensor or disk-delta, or rollout.num_engines=1"
-            )
         check_objective(self)
         from miles.rollout.sglang_flags import check_sglang
 

@@ -115,6 +115,15 @@ class ReceivesBroadcast(Protocol):
         """Leave the group."""
         ...
 
+    def group_ranks(self) -> int:
+        """How many ranks of a group this endpoint takes when it joins (a server's tensor-parallel workers)."""
+        ...
+
+    def in_weights_group(self, group_name: str) -> bool:
+        """Whether every rank this endpoint took in ``group_name`` is still there (False once a server behind it
+        was restarted: the group must be formed again before the next broadcast)."""
+        ...
+
 
 @runtime_checkable
 class ReceivesRDT(Protocol):

@@ -367,6 +367,14 @@ class EmbeddedEngine(UpdateCalls):
 
         leave_group(group_name)
 
+    def group_ranks(self) -> int:
+        return 1  # this process
+
+    def in_weights_group(self, group_name: str) -> bool:
+        from miles.sync.receiver import in_group
+
+        return in_group(group_name)
+
     def update_weights_from_rdt(self, tensors, pieces, version: int | None = None) -> None:
         """One RDT round: ``tensors`` (Ray resolves the ObjectRef argument) is ``[flat uint8 bucket]``."""
         from miles.sync.receiver import receive_rdt

@@ -197,6 +197,13 @@ class RolloutManager(UpdateCalls):
     def destroy_weights_update_group(self, group_name) -> None:
         self.engines[0].destroy_weights_update_group(group_name)
 
+    def group_ranks(self) -> int:
+        """In-process engines: this process is one rank for all of them; HTTP engines: their servers' ranks."""
+        return self.engines[0].group_ranks()
+
+    def in_weights_group(self, group_name: str) -> bool:
+        return self.engines[0].in_weights_group(group_name)
+
     def update_weights_from_rdt(self, tensors, pieces, version=None) -> None:
         from miles.sync.receiver import receive_rdt
 

@@ -46,6 +46,9 @@ class Router:
         self._lock = threading.Lock()  # alive / failures / in_flight
         self._control = threading.RLock()  # control calls and recovery never interleave
         self._sync_open = False  # between the first weight bucket and set_weight_version
+        self._group: str | None = None  # the broadcast weight update group the members below joined
+        self._group_members: list[int] = []
+        self._joining: list[int] | None = None  # the servers group_ranks counted, for the init that follows it
         self._next = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -196,6 +199,82 @@ class Router:
 
     def abort(self, rids="all") -> None:
         self._each("abort", rids)
+
+    # ---- broadcast weight sync: every live server joins one group, ranks side by side --------------------------
+    def group_ranks(self) -> int:
+        """The ranks of the servers that will join: the live ones that answer /health now (the next
+        init_weights_update_group takes exactly these)."""
+        with self._control:
+            self._joining = [i for i in self.live() if self._answers(i)]
+            return sum(self.clients[i].group_ranks() for i in self._joining)
+
+    def init_weights_update_group(
+        self, master_address, master_port, rank_offset, world_size, group_name, backend="gloo"
+    ) -> None:
+        """Every live server joins at once (a join blocks until the whole group has formed), server ``k`` from rank
+        ``rank_offset`` + the ranks of the servers before it."""
+        with self._control:
+            members = self.live() if self._joining is None else self._joining
+            offset, calls, self._joining = rank_offset, [], None
+            for i in members:
+                args = (master_address, master_port, offset, world_size, group_name, backend)
+                calls.append((i, "init_weights_update_group", args))
+                offset += self.clients[i].group_ranks()
+            self._at_once(calls)
+            self._group, self._group_members = group_name, members
+
+    def update_weights_from_distributed(self, names, dtypes, shapes, group_name, version=None) -> None:
+        """Every member receives the same broadcast, so all are called at once."""
+        with self._control:
+            self._sync_open = version is None
+            args = (names, dtypes, shapes, group_name, version)
+            self._at_once([(i, "update_weights_from_distributed", args) for i in self._group_members])
+
+    def destroy_weights_update_group(self, group_name) -> None:
+        with self._control:
+            members = [i for i in self._group_members if self.alive[i]] if self._group == group_name else []
+            self._group, self._group_members = None, []
+            for i in members:
+                try:
+                    self.clients[i].destroy_weights_update_group(group_name)
+                except EngineUnavailable as e:
+                    log.warning("engine %d: leaving weight update group %s failed: %s", i, group_name, e)
+
+    def in_weights_group(self, group_name: str) -> bool:
+        """False once a member died or was restarted, or a server came back that is not a member: the sync forms
+        the group again over the live servers."""
+        with self._control:
+            if self._group != group_name or self._group_members != self.live():
+                return False
+            return all(self.clients[i].in_weights_group(group_name) and self._answers(i) for i in self._group_members)
+
+    def _answers(self, i: int) -> bool:
+        """/health answers; a failure counts toward marking the engine dead (a broadcast to a dead member fails)."""
+        if self.clients[i].healthy():
+            return True
+        self._failed(i, EngineUnavailable(f"{self.clients[i].url}/health did not answer"))
+        return False
+
+    def _at_once(self, calls: list[tuple[int, str, tuple]]) -> None:
+        """``calls`` (engine, method, args) in parallel threads: calls that block on one another (a group's
+        rendezvous, a broadcast) cannot go one by one. Raises after all finished, naming every failure."""
+
+        def one(call):
+            i, method, args = call
+            try:
+                getattr(self.clients[i], method)(*args)
+                self._succeeded(i)
+            except EngineUnavailable as e:
+                self._failed(i, e)
+                return f"engine {i} ({self.clients[i].url}): {e}"
+            return ""
+
+        with ThreadPoolExecutor(max(len(calls), 1)) as pool:
+            errors = [e for e in pool.map(one, calls) if e]
+        if errors:
+            raise EngineUnavailable(
+                f"{calls[0][1]} failed on {len(errors)} of {len(calls)} engines: {'; '.join(errors)}"
+            )
 
     def _ask_live(self, read: Callable[[SGLangClient], object]):
         """``read`` on the first live engine that answers; one that fails (killed, not yet marked dead) counts a

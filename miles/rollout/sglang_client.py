@@ -58,6 +58,7 @@ class SGLangClient:
         self.http = httpx.Client(base_url=self.url, timeout=timeout_s, headers=self.headers)
         self._aclients: dict[int, httpx.AsyncClient] = {}
         self._opened = None
+        self._groups: set[str] = set()  # weight update groups this server joined through this client
         self._pull_ledger()
 
     def __repr__(self) -> str:
@@ -200,7 +201,8 @@ class SGLangClient:
         group_name: str = "weight_update_group",
         backend: str = "gloo",
     ) -> None:
-        """Join a private torch.distributed group as rank ``rank_offset`` (blocks until every rank has joined)."""
+        """Join a private torch.distributed group as ranks ``rank_offset`` .. ``rank_offset + group_ranks() - 1`` (a
+        real SGLang server's tensor-parallel workers each take one); blocks until every rank has joined."""
         self._post(
             "/init_weights_update_group",
             {
@@ -212,6 +214,7 @@ class SGLangClient:
                 "backend": backend,
             },
         )
+        self._groups.add(group_name)
 
     def update_weights_from_distributed(
         self,
@@ -234,7 +237,19 @@ class SGLangClient:
         self._post("/update_weights_from_distributed", body)
 
     def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
+        self._groups.discard(group_name)
         self._post("/destroy_weights_update_group", {"group_name": group_name})
+
+    def group_ranks(self) -> int:
+        """Ranks this server takes in a weight update group: one per tensor-parallel worker on real SGLang (its
+        ``tp_size``), one on ``miles serve`` (a single process)."""
+        if self.flavor == "miles":
+            return 1
+        return int(self._get("/get_server_info").json().get("tp_size", 1))
+
+    def in_weights_group(self, group_name: str) -> bool:
+        """Joined through this client (a restarted server gets a new client, which has joined nothing)."""
+        return group_name in self._groups
 
     def set_weight_version(self, version: int) -> None:
         self._post("/update_weight_version", {"new_version": str(version)})

@@ -183,11 +183,6 @@ def _transport_refusal(cfg, standin: bool) -> str:
         )
     if s.source == "in_place":
         return "sync.source = 'in_place': servers take buckets, not the trainer's tensors; use sync.source=bucket"
-    if s.transport == "broadcast" and r.num_engines > 1:
-        return (
-            f"sync.transport = 'broadcast' and rollout.num_engines = {r.num_engines}: the group has one receiving "
-            "rank (the first server); use sync.transport=tensor or disk-delta, or rollout.num_engines=1"
-        )
     if standin:
         return ""  # `miles serve` takes every remaining transport and check_weights
     if s.transport == "disk-delta":

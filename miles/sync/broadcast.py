@@ -56,17 +56,30 @@ class BroadcastSync(BucketSync):
                 f"the broadcast transport sends to engines in other processes (Ray actors); {local[0]!r} "
                 "lives in this process: use sync.transport='tensor' for it"
             )
-        addr, port = _address(), _free_port()
-        world = 1 + len(self.engines)
+        self._form_group()
+
+    def _form_group(self) -> None:
+        """Rank 0 here; each endpoint from the next free rank, as many ranks as it takes (an engine process one,
+        a real SGLang server one per tensor-parallel worker, a router the sum over its live servers)."""
+        ranks = wait([submit(e, "group_ranks") for e in self.engines])
+        addr, port, world = _address(), _free_port(), 1 + sum(ranks)
+        offsets = [1 + sum(ranks[:i]) for i in range(len(ranks))]
         joins = [
-            submit(e, "init_weights_update_group", addr, port, 1 + i, world, self.group_name, self.backend)
-            for i, e in enumerate(self.engines)
+            submit(e, "init_weights_update_group", addr, port, off, world, self.group_name, self.backend)
+            for e, off in zip(self.engines, offsets)
         ]
         self.group = make_group(addr, port, 0, world, self.group_name, self.backend, self.timeout_s)
         wait(joins)
-        log.info(
-            "broadcast group %s: %s at %s:%d, %d engines", self.group_name, self.backend, addr, port, len(self.engines)
-        )
+        log.info("broadcast group %s: %s at %s:%d, %d ranks", self.group_name, self.backend, addr, port, world)
+
+    def _start(self, timer: SyncTimer) -> None:
+        """A group that lost a member (a server restarted by the router) is formed again over who is live now."""
+        super()._start(timer)
+        if not all(wait([submit(e, "in_weights_group", self.group_name) for e in self.engines])):
+            log.warning("broadcast group %s lost a member: forming a new group", self.group_name)
+            self.close()
+            self.group_name = f"miles-weights-{uuid.uuid4().hex[:8]}"
+            self._form_group()
 
     def _send(self, index: int, pieces: list[Piece], timer: SyncTimer) -> None:
         t = time.perf_counter()

@@ -351,6 +351,11 @@ def join_group(
     )
 
 
+def in_group(group_name: str) -> bool:
+    """Whether this process is a member of weight update group ``group_name``."""
+    return group_name in _GROUPS
+
+
 def leave_group(group_name: str) -> None:
     _GROUPS.pop(group_name, None)
     _RECV_BUFFERS.pop(group_name, None)

@@ -34,7 +34,7 @@ def test_the_capabilities_of_each_engine_class_are_the_ones_its_transports_rely_
     }
     assert has["EmbeddedEngine"] == {c.__name__ for c in CAPABILITIES}
     assert has["SGLangClient"] == {"Transactional", "ReceivesBroadcast"}
-    assert has["Router"] == {"Transactional"}
+    assert has["Router"] == {"Transactional", "ReceivesBroadcast"}  # every live server joins one group
     assert has["RolloutManager"] == has["EmbeddedEngine"] - {"ReceivesInProcess"}
 
 

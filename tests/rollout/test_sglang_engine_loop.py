@@ -111,12 +111,16 @@ def _pid_on(port: int) -> int:
 
 
 @pytest.mark.timeout(300)
-def test_a_server_killed_mid_run_is_recovered_and_the_run_finishes_every_step(tmp_path, ray_session):
+@pytest.mark.parametrize("transport", ["tensor", "broadcast"])
+def test_a_server_killed_mid_run_is_recovered_and_the_run_finishes_every_step(tmp_path, ray_session, transport):
+    """broadcast: both servers join one group (ranks 1 and 2); the restarted server is not a member, so the next
+    sync forms a new group over both, and check_weights proves the restarted one received every later version."""
     port = _two_free_ports()
     cfg = tiny_run_cfg(
         tmp_path,
         *STANDIN,
         "rollout.num_engines=2",
+        f"sync.transport={transport}",
         f"rollout.sglang_ports={port}-{port + 1}",
         "sync.check_weights=true",  # after recovery engine 0 answers named_weights again: bit-equal to the trainer
         "dump_rollouts=false",
