@@ -7,14 +7,18 @@ kernel reads a length or a seed on the host, so both run inside the engine's CUD
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 try:
     import triton
     import triton.language as tl
+    from triton.language.extra import libdevice
 except ImportError as e:  # pragma: no cover - use_triton() checks HAS_TRITON first
     raise ImportError("the engine's GPU kernels need Triton: pip install 'miles[gpu]'") from e
 
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # the CPU tests run these kernels in Triton's interpreter
 SAMPLE_BLOCK_V = 2048  # one vocabulary tile per program of the first pass: rows x tiles programs fill the GPU
 
 
@@ -209,6 +213,7 @@ def add_rmsnorm(x_NH: torch.Tensor, delta_NH: torch.Tensor | None, weight: torch
 def _rope_kv_kernel(
     qkv_ptr, s_qkv, cos_ptr, sin_ptr, lens_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, sk_b, sk_h, sk_n,
     qn_ptr, kn_ptr, eps, H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, QK_NORM: tl.constexpr,
+    MUL_RN: tl.constexpr,
 ):  # fmt: skip
     # one program per (row, head of q, k or v): (Qwen3) RMSNorm of the q or k head, then rotary at the row's
     # position; k and v into the cache. The rotated half is re-read at the swapped offsets and normed the same way
@@ -233,8 +238,15 @@ def _rope_kv_kernel(
             xr = (w_sw * (xr.to(tl.float32) * r).to(x.dtype).to(tl.float32)).to(x.dtype)
         xr = xr.to(tl.float32)
         xr = tl.where(offs < half, -xr, xr)
-        a = (x.to(tl.float32) * c).to(x.dtype).to(tl.float32)
-        b = (xr * s).to(x.dtype).to(tl.float32)
+        # each product rounded to the model dtype before the sum, as torch's q * cos + rotate_half(q) * sin; mul_rn
+        # because a plain product is fused into the add as one FMA on the GPU (the rounding in between elided),
+        # which moved ~23% of bf16 q/k values by an ulp and the engine's log-probs by ~1e-3 against the trainer's
+        if MUL_RN:
+            a = libdevice.mul_rn(x.to(tl.float32), c).to(x.dtype).to(tl.float32)
+            b = libdevice.mul_rn(xr, s).to(x.dtype).to(tl.float32)
+        else:  # the interpreter (CPU tests) has no libdevice, and numpy does not fuse
+            a = (x.to(tl.float32) * c).to(x.dtype).to(tl.float32)
+            b = (xr * s).to(x.dtype).to(tl.float32)
         x = (a + b).to(x.dtype)
     if head < H:
         tl.store(q_out_ptr + (row * H + head) * D + offs, x)
@@ -256,7 +268,7 @@ def rope_kv(qkv_RX, cos, sin, lens_R, k_cache, v_cache, H: int, KVH: int, D: int
     _rope_kv_kernel[(R, H + 2 * KVH)](
         qkv_RX, qkv_RX.stride(0), cos, sin, lens_R, q, k_cache, v_cache,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), qn, kn, eps,
-        H=H, KVH=KVH, D=D, QK_NORM=qk_norm is not None, num_warps=1,
+        H=H, KVH=KVH, D=D, QK_NORM=qk_norm is not None, MUL_RN=not INTERPRETED, num_warps=1,
     )  # fmt: skip
     return q
 
