@@ -3,6 +3,7 @@ that turns HandoffPlan steps into calls on them."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 
@@ -65,16 +66,21 @@ def start_ray(address: str = "", *, num_cpus: int | None = None, threads: int = 
 
     os.environ.setdefault("RAY_agent_register_timeout_ms", "600000")
     os.environ.setdefault("RAY_enable_metrics_collection", "0")  # no metrics agent to wait for; miles has its ledger
+    env = {"OMP_NUM_THREADS": str(threads), "PYTHONPATH": _driver_pythonpath()}
+    # a Ray started here runs its workers with this process's environment, so the variables go there (the
+    # runtime-env agent would add ~4 s to the first actor on 2 cores); a cluster joined gets them as a runtime_env
+    local = not (address or os.environ.get("RAY_ADDRESS"))
     for attempt in range(3):  # Ray's own wait for the node to register is a fixed 30 s; retry on a loaded machine
         try:
-            ray.init(
-                address=address or None,
-                num_cpus=None if address else num_cpus,
-                include_dashboard=False,
-                logging_level=logging.WARNING,
-                log_to_driver=True,
-                runtime_env={"env_vars": {"OMP_NUM_THREADS": str(threads), "PYTHONPATH": _driver_pythonpath()}},
-            )
+            with _environ(env if local else {}):
+                ray.init(
+                    address=address or None,
+                    num_cpus=None if address else num_cpus,
+                    include_dashboard=False,
+                    logging_level=logging.WARNING,
+                    log_to_driver=True,
+                    runtime_env=None if local else {"env_vars": env},
+                )
             return
         except Exception as e:
             if "timed out during startup" not in str(e) or attempt == 2:
@@ -82,6 +88,21 @@ def start_ray(address: str = "", *, num_cpus: int | None = None, threads: int = 
             log.warning("Ray did not start in time (%s); retrying (%d/3)", e, attempt + 2)
             ray.shutdown()
             _kill_ray_children()
+
+
+@contextlib.contextmanager
+def _environ(env: dict[str, str]):
+    """``env`` set in os.environ for the block (the processes it starts inherit them), then put back."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _driver_pythonpath() -> str:
@@ -164,9 +185,11 @@ class Cluster(PlanExecutor):
             )
             .remote(cfg, self.device)
         )
+        # the trainer's processes start meanwhile (Python and torch imports, ~6 s on 2 cores); they hold no model
+        self.trainer = TrainGroup(cfg, self.pg, num_gpus_per_actor=0.45 * gpu, wait=False)
         try:
             self.get(self.rollout.engine_count.remote())  # built (a launch error surfaces here, before the trainer)
-            self.trainer = TrainGroup(cfg, self.pg, num_gpus_per_actor=0.45 * gpu)
+            self.trainer.wait_ready()
             self.trainer.connect_sync([self.rollout])
         except BaseException:
             self.close()  # nothing left running: the engines (and servers they launched), the group, Ray

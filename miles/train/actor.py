@@ -178,7 +178,8 @@ class TrainGroup:
     group.offload(tags); group.onload(tags); metrics = group.update_weights(version)[0]
     """
 
-    def __init__(self, cfg: RunConfig, placement_group, num_gpus_per_actor: float):
+    def __init__(self, cfg: RunConfig, placement_group, num_gpus_per_actor: float, wait: bool = True):
+        """``wait=False``: return once the actors are asked for; ``wait_ready`` then waits for their processes."""
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -201,6 +202,12 @@ class TrainGroup:
             ).remote(cfg, r, n, "127.0.0.1", port)
             for r in range(n)
         ]
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        import ray
+
         ray.get([a.ready.remote() for a in self.actors])
 
     def connect_sync(self, engines) -> list:

@@ -155,8 +155,9 @@ class TorchBackend:
             self.set_lr(metrics["lr"])
         minibatches = batch.split(c.num_minibatches)
         # the policy's log-probs before this step's first optimizer step: the ratio's denominator, the mismatch
-        # measure and the rollout correction's numerator (with one minibatch, the training forward gives them)
-        old = [self.forward_logprobs(mb) for mb in minibatches] if c.num_minibatches > 1 else [None] * len(minibatches)
+        # measure and the rollout correction's numerator. The first minibatch's training forward comes before any
+        # optimizer step, so it gives them for that minibatch (None); the later ones are scored here, up front
+        old = [None] + [self.forward_logprobs(mb) for mb in minibatches[1:]]
         seen = []
         where = f"RL step {step}" if step is not None else "a train step"
         for i, (mb, old_lp) in enumerate(zip(minibatches, old)):
