@@ -145,7 +145,11 @@ class DecoderLayer(nn.Module):
 class DecoderBody(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # given its weight, Embedding skips its own normal_ init, which on the meta device (build_decoder) runs
+        # torch's Python reference and imports torch._dynamo: 1.5 s in every process that builds a model
+        self.embed_tokens = nn.Embedding(
+            cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size)
+        )
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
