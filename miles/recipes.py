@@ -43,7 +43,7 @@ def quickstart() -> RunConfig:
     forms in a sudden, seed-dependent jump (after ~70 supervised steps for seed 0, ~160 for seed 1), so its RL gain
     was +0.04 to +0.31 over seeds 0-3. 25 warm-up steps teach the answer format only; 32 prompts per step halve the
     variance of the gradient and of the reward curve; the entropy bonus slows the collapse (1.3 -> 0.1) that ends
-    learning on a plateau. 100 RL steps keep the whole command under two minutes on 2 cores; the seeds' gains at
+    learning on a plateau. 100 RL steps (the whole command 84-90 s on 2 cores); the seeds' gains at
     100 and 120 steps have the same median. Seeds 0-4: BENCHMARKS.md."""
     return RunConfig(
         recipe="quickstart",
