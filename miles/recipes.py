@@ -36,7 +36,7 @@ MODEL_SIZES = {
 
 
 def quickstart() -> RunConfig:
-    """The CPU default: a ~0.8M-parameter Qwen2-style decoder learns to sort letters in about two minutes.
+    """The CPU default: a ~0.8M-parameter Qwen2-style decoder learns to sort letters in about 90 seconds.
 
     Sorting, not reversing: a sorted answer needs which letters the prompt holds and in which order, which the policy
     improves letter by letter under positional credit. Reversal needs an exact positional lookup that this model
