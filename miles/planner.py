@@ -272,6 +272,9 @@ def _hf_sizes(cfg: RunConfig) -> Sizes:
 
     try:  # a hand-written config.json may lack a field or hold a zero where a count belongs
         hf = load_hf_config(cfg.handoff.plan_model)
+        for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"):
+            if isinstance(hf[k], bool) or not isinstance(hf[k], int) or hf[k] <= 0:
+                raise ValueError(f"{k} = {hf[k]!r} is not a positive integer")
         shapes = model_shapes(hf)
         count = count_params(hf)
     except (KeyError, TypeError, AttributeError, ZeroDivisionError, ValueError) as e:

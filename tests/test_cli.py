@@ -14,6 +14,7 @@ import pytest
 from miles.cli import EXIT_BAD_INPUT, EXIT_FAILED, explain
 
 ROOT = Path(__file__).resolve().parents[1]
+QWEN3_8B = ROOT / "miles" / "model" / "hf_configs" / "qwen3-8b.json"
 
 
 def miles(*args: str, cwd=None, env=None) -> subprocess.CompletedProcess:
@@ -93,9 +94,18 @@ def test_a_run_dir_that_is_a_file_or_a_foreign_directory_exits_2_and_nothing_is_
     assert sorted(os.listdir(proj)) == ["metrics.jsonl", "rollouts"]
 
 
-def test_a_malformed_plan_model_exits_2_naming_the_file(tmp_path):
+@pytest.mark.parametrize(
+    "content",
+    [
+        {"hidden_size": 64},  # no vocab_size
+        {**json.loads(QWEN3_8B.read_text()), "num_attention_heads": 0},  # a division by zero heads
+        [1, 2],  # not an object
+    ],
+    ids=["missing-field", "zero-heads", "a-list"],
+)
+def test_a_malformed_plan_model_exits_2_naming_the_file(tmp_path, content):
     bad = tmp_path / "config.json"
-    bad.write_text(json.dumps({"hidden_size": 64}))
+    bad.write_text(json.dumps(content))
     line = _one_line_error(
         miles("plan", "--recipe", "gb300_kimi_k2_plan", "--set", f"handoff.plan_model={bad}"), EXIT_BAD_INPUT
     )

@@ -117,12 +117,15 @@ def test_bad_values_are_a_4xx_naming_the_field_and_leave_the_weights_alone(serve
     sync.connect([])
     sync.update([(k, v + 1 if k == "model.norm.weight" else v) for k, v in before.items()], version=1)
     shutil.copytree(root, tmp_path / "delta_list")
+    shutil.copytree(root, tmp_path / "delta_shards")
     index = root / "v00000001" / "index.json"
     ix = json.loads(index.read_text())
     ix["tensors"] = {"evil.weight": next(iter(ix["tensors"].values()))}
     index.write_text(json.dumps(ix))
     listed = tmp_path / "delta_list" / "v00000001" / "index.json"
     listed.write_text(json.dumps({**json.loads(listed.read_text()), "tensors": [1, 2]}))
+    sharded = tmp_path / "delta_shards" / "v00000001" / "index.json"
+    sharded.write_text(json.dumps({**json.loads(sharded.read_text()), "shards": ["a", "b"]}))
     os.makedirs(tmp_path / "x.safetensors")
     post = lambda path, body: httpx.post(s.url + path, json=body)  # noqa: E731
     cases = [
@@ -136,6 +139,10 @@ def test_bad_values_are_a_4xx_naming_the_field_and_leave_the_weights_alone(serve
         (post("/update_weights_from_disk", {"model_path": str(root), "weight_version": 1}), "evil.weight"),
         (
             post("/update_weights_from_disk", {"model_path": str(tmp_path / "delta_list"), "weight_version": 1}),
+            "malformed",
+        ),
+        (
+            post("/update_weights_from_disk", {"model_path": str(tmp_path / "delta_shards"), "weight_version": 1}),
             "malformed",
         ),
         (post("/update_weight_version", {"new_version": -7}), "new_version"),
