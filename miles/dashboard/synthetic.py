@@ -124,8 +124,11 @@ def synthetic_run(run_dir: str | Path, *, num_steps: int = 3, long_tokens: int =
     run.write_config({"run_dir": str(run_dir), "task": {"name": "reverse"}, "synthetic": True})
     rng = np.random.default_rng(seed)
     t = 1_700_000_000.0
+    held = {"device": 0, "host": 0}
     for step in range(1, num_steps + 1):
-        run.append_ledger(_ledger_step(t, step))
+        events = _ledger_step(t, step)
+        run.append_ledger(events)
+        peaks = _peaks(events, held)
         t += 10
         run.append_metrics(
             {
@@ -138,14 +141,24 @@ def synthetic_run(run_dir: str | Path, *, num_steps: int = 3, long_tokens: int =
                 "time/generate": 2.0,
                 "time/train": 3.0 + rng.random(),
                 "time/sync": 0.4,
-                "mem/device_peak": 3.2e9 + 1e8 * step,
-                "mem/host_peak": 5.5e9,
+                "mem/device_peak": peaks["device"],  # as the driver computes them from the same events
+                "mem/host_peak": peaks["host"],
             }
         )
         RolloutDumpWriter(run_dir=run_dir).write_step(
             step, synthetic_step(step, long_tokens=long_tokens if step == num_steps else 0, seed=seed)
         )
     return run_dir
+
+
+def _peaks(events: list[dict], held: dict[str, int]) -> dict[str, int]:
+    """Each pool's peak over ``events`` from the bytes ``held`` before them (updated in place), as the driver's
+    mem/<pool>_peak: so the Metrics tab and the Memory tab agree on the synthetic run."""
+    peak = dict(held)
+    for e in events:
+        held[e["pool"]] += e["bytes"] if e["direction"] == "in" else -e["bytes"]
+        peak[e["pool"]] = max(peak[e["pool"]], held[e["pool"]])
+    return peak
 
 
 def _ledger_step(t: float, step: int) -> list[dict]:

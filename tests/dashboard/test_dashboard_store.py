@@ -181,3 +181,24 @@ def test_decode_sample_gives_back_the_written_token_strings(tmp_path):
     out = decode_sample(b"".join(chunks))
     assert out["token_strings"] == texts and out["tokens"].tolist() == list(range(100, 106))
     assert out["prompt_len"] == 2 and out["loss_mask"].tolist() == [0, 0, 1, 1, 1, 1]
+
+
+def test_the_synthetic_runs_memory_metrics_are_the_peaks_of_its_own_ledger(tmp_path):
+    """Notebook 09 shows the synthetic run's Metrics and Memory tabs side by side: mem/<pool>_peak must be what
+    the driver would compute from the run's ledger (per step, from the bytes held at its start)."""
+    import json
+
+    from miles.dashboard.synthetic import synthetic_run
+
+    run = synthetic_run(tmp_path / "run", num_steps=3)
+    events = [json.loads(line) for line in (run / "ledger.jsonl").open()]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").open()]
+    for pool in ("device", "host"):
+        held, want = 0, {}
+        for e in sorted(events, key=lambda e: e["time"]):
+            if e["pool"] == pool:
+                start = want.setdefault(e["step"], held)
+                held += e["bytes"] if e["direction"] == "in" else -e["bytes"]
+                want[e["step"]] = max(start, want[e["step"]], held)
+        assert {r["step"]: r[f"mem/{pool}_peak"] for r in rows} == want, pool
+    assert rows[0]["mem/device_peak"] == 8 << 30 and rows[0]["mem/host_peak"] == 6 << 30
