@@ -12,6 +12,7 @@ from miles.checkpoints import step_dir_name
 from miles.cluster import Cluster
 from miles.config import RunConfig
 from miles.data.dataset import check_data
+from miles.memory.ledger import pool_peaks
 from miles.planner import resolve_plan
 from miles.rollout.tasks import RewardError
 from miles.run_dir import RunDir
@@ -147,11 +148,7 @@ class Bookkeeper:
         if events is None:
             events, samples = self.c.drain_ledgers()
         self.run_dir.append_ledger(step, events, samples)
-        peak = dict(self.pool_bytes)
-        for e in events:
-            self.pool_bytes[e.pool] += e.signed()
-            peak[e.pool] = max(peak[e.pool], self.pool_bytes[e.pool])
-        out = {f"mem/{pool}_peak": v for pool, v in peak.items()}
+        out = {f"mem/{pool}_peak": v for pool, v in pool_peaks(events, self.pool_bytes).items()}
         out |= {f"moved/{k}": v for k, v in moved.items()}
         if samples:
             out["mem/rss_max"] = max(s.rss_bytes for s in samples)

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from miles.dashboard.store import RolloutDumpWriter, RunDirWriter
+from miles.memory.ledger import LedgerEvent, pool_peaks
 
 WORDS = [
     "the",
@@ -128,7 +129,8 @@ def synthetic_run(run_dir: str | Path, *, num_steps: int = 3, long_tokens: int =
     for step in range(1, num_steps + 1):
         events = _ledger_step(t, step)
         run.append_ledger(events)
-        peaks = _peaks(events, held)
+        # mem/<pool>_peak from the run's own events, as the driver computes it: the Metrics and Memory tabs agree
+        peaks = pool_peaks([LedgerEvent(**{k: v for k, v in e.items() if k != "step"}) for e in events], held)
         t += 10
         run.append_metrics(
             {
@@ -149,16 +151,6 @@ def synthetic_run(run_dir: str | Path, *, num_steps: int = 3, long_tokens: int =
             step, synthetic_step(step, long_tokens=long_tokens if step == num_steps else 0, seed=seed)
         )
     return run_dir
-
-
-def _peaks(events: list[dict], held: dict[str, int]) -> dict[str, int]:
-    """Each pool's peak over ``events`` from the bytes ``held`` before them (updated in place), as the driver's
-    mem/<pool>_peak: so the Metrics tab and the Memory tab agree on the synthetic run."""
-    peak = dict(held)
-    for e in events:
-        held[e["pool"]] += e["bytes"] if e["direction"] == "in" else -e["bytes"]
-        peak[e["pool"]] = max(peak[e["pool"]], held[e["pool"]])
-    return peak
 
 
 def _ledger_step(t: float, step: int) -> list[dict]:

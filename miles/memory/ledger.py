@@ -29,6 +29,16 @@ class LedgerEvent:
         return self.bytes if self.direction == "in" else -self.bytes
 
 
+def pool_peaks(events, held: dict[str, int]) -> dict[str, int]:
+    """Each pool's peak over ``events`` (LedgerEvents, in time order) from the bytes ``held`` before them; ``held``
+    is updated in place, so calls over consecutive steps carry what each step leaves held (mem/<pool>_peak)."""
+    peak = dict(held)
+    for e in events:
+        held[e.pool] = held.get(e.pool, 0) + e.signed()
+        peak[e.pool] = max(peak.get(e.pool, 0), held[e.pool])
+    return peak
+
+
 @dataclass(frozen=True, slots=True)
 class ProcessSample:
     time: float
