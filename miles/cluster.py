@@ -72,9 +72,9 @@ def start_ray(address: str = "", *, num_cpus: int | None = None, threads: int = 
     os.environ.setdefault("RAY_enable_metrics_collection", "0")  # no metrics agent to wait for; miles has its ledger
     env = {"OMP_NUM_THREADS": str(threads), "PYTHONPATH": _driver_pythonpath()}
     # a Ray started here runs its workers with this process's environment, so the variables go there (the
-    # runtime-env agent would add ~4 s to the first actor on 2 cores); a cluster joined gets them as a runtime_env
+    # runtime-env agent would set itself up before the first actor); a cluster joined gets them as a runtime_env
     local = not (address or os.environ.get("RAY_ADDRESS"))
-    if local:  # and its processes skip a slow optional import (miles/ray_path: 8.7 -> 2.7 s for ray.init on 2 cores)
+    if local:  # and its processes skip a slow optional import (miles/ray_path; miles bench startup)
         env["PYTHONPATH"] = os.pathsep.join([str(RAY_PATH), env["PYTHONPATH"]])
     for attempt in range(3):  # Ray's own wait for the node to register is a fixed 30 s; retry on a loaded machine
         try:

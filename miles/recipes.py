@@ -36,15 +36,15 @@ MODEL_SIZES = {
 
 
 def quickstart() -> RunConfig:
-    """The CPU default: a ~0.8M-parameter Qwen2-style decoder learns to sort letters in about 90 seconds.
+    """The CPU default: a ~0.8M-parameter Qwen2-style decoder learns to sort letters in under two minutes on 2 cores.
 
     Sorting, not reversing: a sorted answer needs which letters the prompt holds and in which order, which the policy
     improves letter by letter under positional credit. Reversal needs an exact positional lookup that this model
     forms in a sudden, seed-dependent jump (after ~70 supervised steps for seed 0, ~160 for seed 1), so its RL gain
     was +0.04 to +0.31 over seeds 0-3. 25 warm-up steps teach the answer format only; 32 prompts per step halve the
     variance of the gradient and of the reward curve; the entropy bonus slows the collapse (1.3 -> 0.1) that ends
-    learning on a plateau. 100 RL steps (the whole command 84-90 s on 2 cores); the seeds' gains at
-    100 and 120 steps have the same median. Seeds 0-4: BENCHMARKS.md."""
+    learning on a plateau. 100 RL steps: the seeds' gains at 100 and 120 steps have the same median.
+    Seeds 0-4 and times: BENCHMARKS.md."""
     return RunConfig(
         recipe="quickstart",
         seed=0,

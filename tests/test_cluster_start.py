@@ -57,7 +57,7 @@ def _worker_imports() -> dict:
 
 
 def test_the_processes_of_a_local_ray_skip_the_slow_optional_import_and_get_the_drivers_environment(ray_session):
-    """miles/ray_path hides rfc3987_syntax (1.8 s per process at import) from a Ray started here; the threads
+    """miles/ray_path hides rfc3987_syntax (slow to import: miles bench startup) from a Ray started here; the threads
     setting reaches the workers through the environment, not a runtime_env."""
     got = ray_session.get(ray_session.remote(_worker_imports).remote())
     assert "hidden from the Ray processes miles starts" in got["rfc3987_syntax"], got

@@ -146,7 +146,7 @@ class DecoderBody(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         # given its weight, Embedding skips its own normal_ init, which on the meta device (build_decoder) runs
-        # torch's Python reference and imports torch._dynamo: 1.5 s in every process that builds a model
+        # torch's Python reference and imports torch._dynamo, slow, in every process that builds a model
         self.embed_tokens = nn.Embedding(
             cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size)
         )

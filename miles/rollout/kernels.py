@@ -240,7 +240,7 @@ def _rope_kv_kernel(
         xr = tl.where(offs < half, -xr, xr)
         # each product rounded to the model dtype before the sum, as torch's q * cos + rotate_half(q) * sin; mul_rn
         # because a plain product is fused into the add as one FMA on the GPU (the rounding in between elided),
-        # which moved ~23% of bf16 q/k values by an ulp and the engine's log-probs by ~1e-3 against the trainer's
+        # which put bf16 q/k values an ulp off and the engine's log-probs off the trainer's (BENCHMARKS.md)
         if MUL_RN:
             a = libdevice.mul_rn(x.to(tl.float32), c).to(x.dtype).to(tl.float32)
             b = libdevice.mul_rn(xr, s).to(x.dtype).to(tl.float32)
