@@ -34,22 +34,32 @@ def decode_attention(
     bound: int | None = None,
     num_splits: int | None = None,
     fused: bool | None = None,
+    prefix: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """``bound``: an upper bound of lens (the reference path reads the cache up to it; the kernel ignores it)."""
+    """``bound``: an upper bound of lens (the reference path reads the cache up to it; the kernel ignores it).
+    ``prefix``: (slot_R, len_R): row r reads its positions below len_R[r] from cache slot slot_R[r]."""
     if fused is None:
         fused = use_triton(q_RHD)
     if fused:
         from miles.rollout.kernels import decode_attention_triton
 
         R, KVH, S = q_RHD.shape[0], k_cache.shape[1], k_cache.shape[2]
-        return decode_attention_triton(q_RHD, k_cache, v_cache, lens_R, num_splits or num_splits_for(R, KVH, S))
-    return decode_attention_reference(q_RHD, k_cache, v_cache, lens_R, bound=bound)
+        splits = num_splits or num_splits_for(R, KVH, S)
+        return decode_attention_triton(q_RHD, k_cache, v_cache, lens_R, splits, prefix)
+    return decode_attention_reference(q_RHD, k_cache, v_cache, lens_R, bound=bound, prefix=prefix)
 
 
-def decode_attention_reference(q_RHD, k_cache, v_cache, lens_R, *, bound: int | None = None) -> torch.Tensor:
+def decode_attention_reference(
+    q_RHD, k_cache, v_cache, lens_R, *, bound: int | None = None, prefix=None
+) -> torch.Tensor:
     R, H, D = q_RHD.shape
     S = min(bound or k_cache.shape[2], k_cache.shape[2])
     k, v = k_cache[:R, :, :S], v_cache[:R, :, :S]
+    if prefix is not None:  # each row's keys and values below its prefix length come from the slot that holds them
+        slot, n = prefix
+        held = (torch.arange(S, device=q_RHD.device)[None] < n[:, None])[:, None, :, None]
+        k = torch.where(held, k_cache[slot, :, :S], k)
+        v = torch.where(held, v_cache[slot, :, :S], v)
     mask = (torch.arange(S, device=q_RHD.device)[None] < lens_R[:, None])[:, None, None, :]
     gqa = H != k.shape[1]
     out = F.scaled_dot_product_attention(q_RHD[:, :, None], k, v, attn_mask=mask, enable_gqa=gqa)

@@ -41,6 +41,9 @@ class RowState:
         self.out_ids = torch.zeros(num_slots, width, dtype=torch.long, device=device)  # width > max_new_tokens
         self.out_lps = torch.zeros(num_slots, width, dtype=torch.float32, device=device)
         self.seed = torch.zeros(1, dtype=torch.long, device=device)
+        # positions below prefix_len[r] are read from slot prefix_slot[r] (a shared prompt's KV; 0: none shared)
+        self.prefix_slot = torch.arange(num_slots, device=device)
+        self.prefix_len = z(torch.long)
 
 
 def advance(
@@ -107,6 +110,7 @@ class _Row:
     call: _Call
     i: int  # position in the call's request list
     req: object  # GenerateRequest
+    prefix_slot: int  # the slot whose KV holds this row's prompt (its own, or its group's first)
     steps: int = 1  # tokens generated (the host's count: exact unless a stop token ended the row earlier)
 
 
@@ -120,8 +124,11 @@ def buckets(max_rows: int) -> list[int]:
 
 
 class DecodeLoop:
-    def __init__(self, engine, *, check_every: int = 16, prefill_tokens: int = 16384):
+    def __init__(self, engine, *, check_every: int = 16, prefill_tokens: int = 16384, share_prefix: bool = False):
         self.e, self.check_every, self.prefill_tokens = engine, check_every, prefill_tokens
+        # share_prefix: a group's prompt KV is written once, into its first slot, and its other rows read it there
+        # (that slot stays taken until the whole group is done); otherwise each row gets its own copy
+        self.share_prefix = share_prefix
         self.buckets = buckets(engine.max_batch_size)
         # since construction: prompts prefilled, rows admitted, decode steps, host reads of the finish flags
         self.stats = {"prefills": 0, "admitted": 0, "steps": 0, "flag_reads": 0, "joined": 0}
@@ -180,7 +187,8 @@ class DecodeLoop:
                         return
                 continue
             self._drop_aborted_waiting(waiting)
-            free = [s for s in range(e.max_batch_size) if s not in active]
+            pinned = {r.prefix_slot for r in active.values()}  # a finished row's slot may still hold a shared prompt
+            free = [s for s in range(e.max_batch_size) if s not in active and s not in pinned]
             if waiting and free:
                 take = [waiting.popleft() for _ in range(min(len(free), len(waiting)))]
                 self._admit(take, free[: len(take)], active)
@@ -228,6 +236,7 @@ class DecodeLoop:
         for (_, _, req), slot in zip(take, slots):
             groups.setdefault(tuple(req.input_ids), []).append(slot)
         by_slot = {slot: item for item, slot in zip(take, slots)}
+        holder = {s: (g[0] if self.share_prefix else s) for g in groups.values() for s in g}
         prompts = sorted(groups, key=len)
         chunk: list[tuple] = []
         for p in prompts:
@@ -238,7 +247,7 @@ class DecodeLoop:
         if chunk:
             self._prefill(chunk, groups, by_slot)
         for slot in slots:
-            active[slot] = _Row(*by_slot[slot])
+            active[slot] = _Row(*by_slot[slot], prefix_slot=holder[slot])
         self.stats["prefills"] += len(prompts)
         self.stats["admitted"] += len(slots)
 
@@ -252,7 +261,12 @@ class DecodeLoop:
         src = [u for u, p in enumerate(prompts) for _ in groups[p]]
         reqs = [by_slot[s][2] for s in slots]
         slots_t = torch.tensor(slots, device=dev)
-        self._reset_rows(slots_t, reqs)
+        if self.share_prefix:  # the KV goes to each group's first slot only
+            kv_slots, kv_src = [groups[p][0] for p in prompts], list(range(len(prompts)))
+            holders = [groups[p][0] for p in prompts for _ in groups[p]]
+        else:
+            kv_slots, kv_src, holders = slots, src, slots
+        self._reset_rows(slots_t, reqs, holders)
         with e._lock:
             logits = prefill(
                 e.model,
@@ -260,8 +274,8 @@ class DecodeLoop:
                 e.rope,
                 ids.to(dev),
                 torch.tensor([len(p) for p in prompts], device=dev),
-                slots_t,
-                torch.tensor(src, device=dev),
+                torch.tensor(kv_slots, device=dev),
+                torch.tensor(kv_src, device=dev),
             )[torch.tensor(src, device=dev)]
             flexible = any(r.sampling.top_p < 1 or r.sampling.top_k > 0 for r in reqs)
             tok, lp = sample(
@@ -274,18 +288,25 @@ class DecodeLoop:
             )
             advance(st, slots_t, tok, lp)
 
-    def _reset_rows(self, slots_t: torch.Tensor, reqs: list) -> None:
+    def _reset_rows(self, slots_t: torch.Tensor, reqs: list, holders: list[int]) -> None:
+        """The admitted rows' state, written with one host-to-device copy per dtype. ``holders``: the slot holding
+        each row's prompt KV."""
         st, dev = self.e.state, self.e.device
-        stop = torch.full((len(reqs), STOP_SLOTS), -1, dtype=torch.long)
-        for i, r in enumerate(reqs):
-            stop[i, : len(r.sampling.stop_token_ids)] = torch.tensor(r.sampling.stop_token_ids, dtype=torch.long)
-        col = lambda vals, dtype: torch.tensor(vals, dtype=dtype).to(dev, non_blocking=True)  # noqa: E731
-        st.lens[slots_t] = col([len(r.input_ids) - 1 for r in reqs], torch.long)  # advance() adds the first token
-        st.max_new[slots_t] = col([r.sampling.max_new_tokens for r in reqs], torch.long)
-        st.temperature[slots_t] = col([r.sampling.temperature for r in reqs], torch.float32)
-        st.top_p[slots_t] = col([r.sampling.top_p for r in reqs], torch.float32)
-        st.top_k[slots_t] = col([r.sampling.top_k for r in reqs], torch.long)
-        st.stop_ids[slots_t] = stop.to(dev, non_blocking=True)
+        pad, shared = [-1] * STOP_SLOTS, self.share_prefix
+        longs = torch.tensor(
+            [
+                [len(r.input_ids) - 1, r.sampling.max_new_tokens, r.sampling.top_k]  # advance() adds the first token
+                + [h, len(r.input_ids) if shared else 0]
+                + (list(r.sampling.stop_token_ids) + pad)[:STOP_SLOTS]
+                for r, h in zip(reqs, holders)
+            ],
+            dtype=torch.long,
+        ).to(dev)
+        floats = torch.tensor([[r.sampling.temperature, r.sampling.top_p] for r in reqs], dtype=torch.float32).to(dev)
+        st.lens[slots_t], st.max_new[slots_t], st.top_k[slots_t] = longs[:, 0], longs[:, 1], longs[:, 2]
+        st.prefix_slot[slots_t], st.prefix_len[slots_t] = longs[:, 3], longs[:, 4]
+        st.stop_ids[slots_t] = longs[:, 5:]
+        st.temperature[slots_t], st.top_p[slots_t] = floats[:, 0], floats[:, 1]
         st.num_gen[slots_t] = 0
         st.finished[slots_t] = False
         st.stopped[slots_t] = False
@@ -295,22 +316,25 @@ class DecodeLoop:
         e, st = self.e, self.e.state
         slots = sorted(active)
         idx = torch.tensor(slots, device=e.device)
-        flags = torch.stack([st.finished[idx].long(), st.stopped[idx].long(), st.num_gen[idx]]).cpu()
+        # python lists from here: indexing a host tensor element by element costs microseconds per row
+        finished, stopped, num_gen = torch.stack(
+            [st.finished[idx].long(), st.stopped[idx].long(), st.num_gen[idx]]
+        ).tolist()
         self.stats["flag_reads"] += 1
-        aborted = {s for i, s in enumerate(slots) if not flags[0, i] and self._aborts(active[s])}
+        aborted = {s for i, s in enumerate(slots) if not finished[i] and self._aborts(active[s])}
         if aborted:
             st.finished[torch.tensor(sorted(aborted), device=e.device)] = True  # a freed slot must not advance
-        done = [i for i, s in enumerate(slots) if flags[0, i] or s in aborted]
+        done = [i for i, s in enumerate(slots) if finished[i] or s in aborted]
         if not done:
             return
-        width = int(flags[2, done].max())
+        width = max(num_gen[i] for i in done)
         done_idx = idx[torch.tensor(done, device=e.device)]
-        ids = st.out_ids[done_idx, :width].cpu().tolist()
-        lps = st.out_lps[done_idx, :width].cpu().tolist()
+        ids = st.out_ids[done_idx, :width].tolist()
+        lps = st.out_lps[done_idx, :width].tolist()
         for j, i in enumerate(done):
             row = active.pop(slots[i])
-            n = int(flags[2, i])
-            reason = "abort" if slots[i] in aborted else "stop" if flags[1, i] else "length"
+            n = num_gen[i]
+            reason = "abort" if slots[i] in aborted else "stop" if stopped[i] else "length"
             e._aborted.discard(row.req.rid)
             row.call.put(row.i, e._output(row.req, ids[j][:n], lps[j][:n], reason))
 

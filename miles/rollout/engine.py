@@ -108,7 +108,7 @@ class EmbeddedEngine(UpdateCalls):
             self.graphs = DecodeGraphs(owner, self.ledger, reserve=pool_segments(model_cfg, max_batch_size))
         # with graphs, the logits buffer they write is theirs; the eager (CPU) engine keeps the tag empty
         self.memory.register("cuda_graph", [self.logits] if self.graphs else [], policy="discard")
-        self.loop = DecodeLoop(self)
+        self.loop = DecodeLoop(self, share_prefix=self.fused is not None)
         self.weight_version = 0
         self._lock = threading.RLock()  # held by each forward step and by weight updates
         self._running = threading.Event()
@@ -174,11 +174,14 @@ class EmbeddedEngine(UpdateCalls):
         """One decode step over slots [0, R): graphed on CUDA, eager otherwise; ``flexible``: top-p / top-k rows."""
         st, rows, logits = self.state, slice(0, R), self.logits[:R]
 
+        prefix = (st.prefix_slot[:R], st.prefix_len[:R]) if self.loop.share_prefix else None
+
         def forward():
+            args = (self.cache, self.rope, st.tokens[:R], st.lens[:R], logits)
             if self.fused is not None:
-                decode_step_fused(self.model, self.fused, self.cache, self.rope, st.tokens[:R], st.lens[:R], logits)
+                decode_step_fused(self.model, self.fused, *args, prefix=prefix)
             else:
-                decode_step(self.model, self.cache, self.rope, st.tokens[:R], st.lens[:R], logits, bound=bound)
+                decode_step(self.model, *args, bound=bound, prefix=prefix)
 
         def finish():
             tp, tk = (st.top_p[:R], st.top_k[:R]) if flexible else (None, None)

@@ -83,8 +83,10 @@ def decode_step(
     *,
     bound: int | None = None,
     num_splits: int | None = None,
+    prefix: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """One token per row at position ``lens_R[r]`` (its K/V written there); logits into ``out_RV``."""
+    """One token per row at position ``lens_R[r]`` (its K/V written there); logits into ``out_RV``. ``prefix``:
+    (slot_R, len_R), a row's positions below len_R read from cache slot slot_R (a group's shared prompt)."""
     R = tokens_R.shape[0]
     rows = torch.arange(R, device=tokens_R.device)
     x = model.model.embed_tokens(tokens_R[:, None])  # [R, 1, H]
@@ -95,7 +97,9 @@ def decode_step(
         q, k, v = _qkv(attn, layer.input_layernorm(x), cos, sin)
         cache.k[i][rows, :, lens_R] = k[:, :, 0]
         cache.v[i][rows, :, lens_R] = v[:, :, 0]
-        o = decode_attention(q[:, :, 0], cache.k[i], cache.v[i], filled, bound=bound, num_splits=num_splits)
+        o = decode_attention(
+            q[:, :, 0], cache.k[i], cache.v[i], filled, bound=bound, num_splits=num_splits, prefix=prefix
+        )
         x = x + attn.o_proj(o.reshape(R, 1, -1))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
     h = model.model.norm(x[:, 0])
@@ -142,6 +146,7 @@ def decode_step_fused(
     out_RV: torch.Tensor,
     *,
     num_splits: int | None = None,
+    prefix: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``decode_step`` in about a dozen kernels per layer: residual add + RMSNorm, (Qwen3's q/k RMSNorm +)
     rotary + K/V write and SiLU x up are one Triton kernel each, q|k|v and gate|up one matmul each (miles.rollout.kernels)."""
@@ -159,7 +164,7 @@ def decode_step_fused(
         a = layer.self_attn
         qk_norm = (a.q_norm.weight, a.k_norm.weight, a.q_norm.eps) if cfg.qk_norm else None  # Qwen3
         q = rope_kv(qkv, rope.cos, rope.sin, lens_R, cache.k[i], cache.v[i], H, KVH, D, qk_norm)
-        o = decode_attention(q, cache.k[i], cache.v[i], filled, num_splits=num_splits, fused=True)
+        o = decode_attention(q, cache.k[i], cache.v[i], filled, num_splits=num_splits, fused=True, prefix=prefix)
         h = add_rmsnorm(x, layer.self_attn.o_proj(o.reshape(R, -1)), layer.post_attention_layernorm.weight, eps)
         mlp = layer.mlp.down_proj(silu_mul(F.linear(h, fused.gate_up[i])))
         nxt = layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else model.model.norm.weight

@@ -76,30 +76,35 @@ def _sample_pick_kernel(
     tl.store(lp_ptr + row, x_tok - M - tl.log(S))
 
 
-def fused_sample(logits_RV: torch.Tensor, temperature_R: torch.Tensor, seed_t: torch.Tensor):
+def fused_sample(
+    logits_RV: torch.Tensor, temperature_R: torch.Tensor, seed_t: torch.Tensor, *, block_v=SAMPLE_BLOCK_V, num_warps=4
+):
     R, V = logits_RV.shape
-    tiles = triton.cdiv(V, SAMPLE_BLOCK_V)
+    tiles = triton.cdiv(V, block_v)
     part = torch.empty(R, tiles, 3, dtype=torch.float32, device=logits_RV.device)
     tok = torch.empty(R, dtype=torch.int64, device=logits_RV.device)
     lp = torch.empty(R, dtype=torch.float32, device=logits_RV.device)
     _sample_tiles_kernel[(R, tiles)](
-        logits_RV, logits_RV.stride(0), temperature_R, part, V, tiles, BLOCK_V=SAMPLE_BLOCK_V
+        logits_RV, logits_RV.stride(0), temperature_R, part, V, tiles, BLOCK_V=block_v, num_warps=num_warps
     )
     _sample_pick_kernel[(R,)](
         logits_RV, logits_RV.stride(0), temperature_R, seed_t, part, tok, lp, V, tiles,
-        BLOCK_V=SAMPLE_BLOCK_V, TILES_PAD=triton.next_power_of_2(tiles),
+        BLOCK_V=block_v, TILES_PAD=triton.next_power_of_2(tiles), num_warps=num_warps,
     )  # fmt: skip
     return tok, lp
 
 
 @triton.jit
 def _decode_attn_kernel(
-    q_ptr, k_ptr, v_ptr, lens_ptr, acc_ptr, ml_ptr, out_ptr,
+    q_ptr, k_ptr, v_ptr, lens_ptr, pslot_ptr, plen_ptr, acc_ptr, ml_ptr, out_ptr,
     sq_r, sq_h, sk_b, sk_h, sk_n, sm_scale, split_len,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    IEEE: tl.constexpr,
+    IEEE: tl.constexpr, HAS_PREFIX: tl.constexpr,
 ):  # fmt: skip
-    # grid (row, kv head, split): the query heads sharing one KV head attend over keys [split start, end) only
+    # grid (row, kv head, split): the query heads sharing one KV head attend over keys [split start, end) only.
+    # Positions below the row's shared-prefix length are read from the slot that holds the prefix (a GRPO group's
+    # prompt, prefilled once into its first slot): the group's rows are neighbouring programs, so they read it
+    # from L2 rather than each its own copy from memory
     row, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n_filled = tl.load(lens_ptr + row)
     start = split * split_len
@@ -112,10 +117,16 @@ def _decode_attn_kernel(
     l = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D], tl.float32)
     base = row.to(tl.int64) * sk_b + kvh * sk_h
+    if HAS_PREFIX:
+        n_prefix = tl.load(plen_ptr + row)
+        base_prefix = tl.load(pslot_ptr + row).to(tl.int64) * sk_b + kvh * sk_h
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         ok = offs_n < end
-        kv_off = base + offs_n[:, None] * sk_n + offs_d[None, :]
+        if HAS_PREFIX:
+            kv_off = tl.where(offs_n < n_prefix, base_prefix, base)[:, None] + offs_n[:, None] * sk_n + offs_d[None, :]
+        else:
+            kv_off = base + offs_n[:, None] * sk_n + offs_d[None, :]
         k = tl.load(k_ptr + kv_off, mask=ok[:, None], other=0.0)
         if IEEE:
             sc = tl.dot(q, tl.trans(k), input_precision="ieee")
@@ -158,8 +169,11 @@ def _decode_reduce_kernel(acc_ptr, ml_ptr, out_ptr, D: tl.constexpr, NUM_SPLITS:
     tl.store(out_ptr + rh * D + offs_d, out.to(out_ptr.dtype.element_ty))
 
 
-def decode_attention_triton(q_RHD, k_cache, v_cache, lens_R, num_splits: int, block_n: int = 64):
-    """q [R, H, D]; caches [B >= R, KVH, S, D] (D contiguous); lens [R] filled positions (current token included)."""
+def decode_attention_triton(
+    q_RHD, k_cache, v_cache, lens_R, num_splits: int, prefix=None, *, block_n: int = 64, num_warps: int = 4
+):
+    """q [R, H, D]; caches [B >= R, KVH, S, D] (D contiguous); lens [R] filled positions (current token included);
+    ``prefix``: (slot_R, len_R), positions below len_R[r] read from cache slot slot_R[r] (None: every row its own)."""
     R, H, D = q_RHD.shape
     KVH, S = k_cache.shape[1], k_cache.shape[2]
     G = H // KVH
@@ -170,12 +184,13 @@ def decode_attention_triton(q_RHD, k_cache, v_cache, lens_R, num_splits: int, bl
     if num_splits > 1:
         acc = torch.empty(R, H, num_splits, D, dtype=torch.float32, device=q_RHD.device)
         ml = torch.empty(R, H, num_splits, 2, dtype=torch.float32, device=q_RHD.device)
+    pslot, plen = prefix if prefix is not None else (lens_R, lens_R)
     _decode_attn_kernel[(R, KVH, num_splits)](
-        q_RHD, k_cache, v_cache, lens_R, acc, ml, out,
+        q_RHD, k_cache, v_cache, lens_R, pslot, plen, acc, ml, out,
         q_RHD.stride(0), q_RHD.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         D ** -0.5, split_len,
         G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, BLOCK_N=block_n, NUM_SPLITS=num_splits,
-        IEEE=q_RHD.dtype == torch.float32, num_warps=4,
+        IEEE=q_RHD.dtype == torch.float32, HAS_PREFIX=prefix is not None, num_warps=num_warps,
     )  # fmt: skip
     if num_splits > 1:
         _decode_reduce_kernel[(R * H,)](acc, ml, out, D=D, NUM_SPLITS=num_splits, num_warps=1)
@@ -212,51 +227,50 @@ def add_rmsnorm(x_NH: torch.Tensor, delta_NH: torch.Tensor | None, weight: torch
 @triton.jit
 def _rope_kv_kernel(
     qkv_ptr, s_qkv, cos_ptr, sin_ptr, lens_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, sk_b, sk_h, sk_n,
-    qn_ptr, kn_ptr, eps, H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, QK_NORM: tl.constexpr,
-    MUL_RN: tl.constexpr,
+    qn_ptr, kn_ptr, eps, H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, NH_PAD: tl.constexpr,
+    QK_NORM: tl.constexpr, MUL_RN: tl.constexpr,
 ):  # fmt: skip
-    # one program per (row, head of q, k or v): (Qwen3) RMSNorm of the q or k head, then rotary at the row's
-    # position; k and v into the cache. The rotated half is re-read at the swapped offsets and normed the same way
-    row, head = tl.program_id(0), tl.program_id(1)
+    # one program per row, its q, k and v heads as one [heads, D] tile: (Qwen3) RMSNorm of each q and k head, then
+    # rotary at the row's position; k and v into the cache. The rotated half is re-read at the swapped offsets
+    row = tl.program_id(0)
     pos = tl.load(lens_ptr + row)
-    offs = tl.arange(0, D)
+    hd = tl.arange(0, NH_PAD)[:, None]  # head index: q heads, then k, then v
+    offs = tl.arange(0, D)[None, :]
     half = D // 2
     swap = tl.where(offs < half, offs + half, offs - half)
-    src = qkv_ptr + row * s_qkv + head * D
-    x = tl.load(src + offs)
-    if head < H + KVH:
-        c = tl.load(cos_ptr + pos * D + offs).to(tl.float32)
-        s = tl.load(sin_ptr + pos * D + offs).to(tl.float32)
-        xr = tl.load(src + swap)
-        if QK_NORM:  # w * (x * rsqrt(mean(x^2) + eps)), rounded to the model dtype before the weight, as RMSNorm
-            xf = x.to(tl.float32)
-            r = tl.rsqrt(tl.sum(xf * xf, 0) / D + eps)
-            is_q = head < H
-            w = tl.where(is_q, tl.load(qn_ptr + offs), tl.load(kn_ptr + offs)).to(tl.float32)
-            w_sw = tl.where(is_q, tl.load(qn_ptr + swap), tl.load(kn_ptr + swap)).to(tl.float32)
-            x = (w * (xf * r).to(x.dtype).to(tl.float32)).to(x.dtype)
-            xr = (w_sw * (xr.to(tl.float32) * r).to(x.dtype).to(tl.float32)).to(x.dtype)
-        xr = xr.to(tl.float32)
-        xr = tl.where(offs < half, -xr, xr)
-        # each product rounded to the model dtype before the sum, as torch's q * cos + rotate_half(q) * sin; mul_rn
-        # because a plain product is fused into the add as one FMA on the GPU (the rounding in between elided),
-        # which put bf16 q/k values an ulp off and the engine's log-probs off the trainer's (BENCHMARKS.md)
-        if MUL_RN:
-            a = libdevice.mul_rn(x.to(tl.float32), c).to(x.dtype).to(tl.float32)
-            b = libdevice.mul_rn(xr, s).to(x.dtype).to(tl.float32)
-        else:  # the interpreter (CPU tests) has no libdevice, and numpy does not fuse
-            a = (x.to(tl.float32) * c).to(x.dtype).to(tl.float32)
-            b = (xr * s).to(x.dtype).to(tl.float32)
-        x = (a + b).to(x.dtype)
-    if head < H:
-        tl.store(q_out_ptr + (row * H + head) * D + offs, x)
-    else:
-        kv = head - H
-        dst = row.to(tl.int64) * sk_b + (kv % KVH) * sk_h + pos.to(tl.int64) * sk_n + offs
-        if kv < KVH:
-            tl.store(k_cache_ptr + dst, x)
-        else:
-            tl.store(v_cache_ptr + dst, x)
+    real = hd < H + 2 * KVH
+    src = qkv_ptr + row * s_qkv + hd * D
+    x = tl.load(src + offs, mask=real, other=0.0)
+    xr = tl.load(src + swap, mask=real, other=0.0)
+    c = tl.load(cos_ptr + pos * D + offs).to(tl.float32)
+    s = tl.load(sin_ptr + pos * D + offs).to(tl.float32)
+    if QK_NORM:  # w * (x * rsqrt(mean(x^2) + eps)), rounded to the model dtype before the weight, as RMSNorm
+        xf = x.to(tl.float32)
+        r = tl.rsqrt(tl.sum(xf * xf, 1) / D + eps)[:, None]
+        is_q = hd < H
+        w = tl.where(is_q, tl.load(qn_ptr + offs), tl.load(kn_ptr + offs)).to(tl.float32)
+        w_sw = tl.where(is_q, tl.load(qn_ptr + swap), tl.load(kn_ptr + swap)).to(tl.float32)
+        normed = (w * (xf * r).to(x.dtype).to(tl.float32)).to(x.dtype)
+        normed_r = (w_sw * (xr.to(tl.float32) * r).to(x.dtype).to(tl.float32)).to(x.dtype)
+        x = tl.where(hd < H + KVH, normed, x)
+        xr = tl.where(hd < H + KVH, normed_r, xr)
+    xr = xr.to(tl.float32)
+    xr = tl.where(offs < half, -xr, xr)
+    # each product rounded to the model dtype before the sum, as torch's q * cos + rotate_half(q) * sin; mul_rn
+    # because a plain product is fused into the add as one FMA on the GPU (the rounding in between elided),
+    # which put bf16 q/k values an ulp off and the engine's log-probs off the trainer's (BENCHMARKS.md)
+    if MUL_RN:
+        a = libdevice.mul_rn(x.to(tl.float32), c).to(x.dtype).to(tl.float32)
+        b = libdevice.mul_rn(xr, s).to(x.dtype).to(tl.float32)
+    else:  # the interpreter (CPU tests) has no libdevice, and numpy does not fuse
+        a = (x.to(tl.float32) * c).to(x.dtype).to(tl.float32)
+        b = (xr * s).to(x.dtype).to(tl.float32)
+    x = tl.where(hd < H + KVH, (a + b).to(x.dtype), x)
+    tl.store(q_out_ptr + (row * H + hd) * D + offs, x, mask=hd < H)
+    kv = tl.where(hd < H + KVH, hd - H, hd - H - KVH)
+    dst = row.to(tl.int64) * sk_b + kv * sk_h + pos.to(tl.int64) * sk_n + offs
+    tl.store(k_cache_ptr + dst, x, mask=(hd >= H) & (hd < H + KVH))
+    tl.store(v_cache_ptr + dst, x, mask=(hd >= H + KVH) & real)
 
 
 def rope_kv(qkv_RX, cos, sin, lens_R, k_cache, v_cache, H: int, KVH: int, D: int, qk_norm=None) -> torch.Tensor:
@@ -265,10 +279,11 @@ def rope_kv(qkv_RX, cos, sin, lens_R, k_cache, v_cache, H: int, KVH: int, D: int
     R = qkv_RX.shape[0]
     q = torch.empty(R, H, D, dtype=qkv_RX.dtype, device=qkv_RX.device)
     qn, kn, eps = qk_norm if qk_norm is not None else (cos, cos, 0.0)
-    _rope_kv_kernel[(R, H + 2 * KVH)](
+    _rope_kv_kernel[(R,)](
         qkv_RX, qkv_RX.stride(0), cos, sin, lens_R, q, k_cache, v_cache,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), qn, kn, eps,
-        H=H, KVH=KVH, D=D, QK_NORM=qk_norm is not None, MUL_RN=not INTERPRETED, num_warps=1,
+        H=H, KVH=KVH, D=D, NH_PAD=triton.next_power_of_2(H + 2 * KVH), QK_NORM=qk_norm is not None,
+        MUL_RN=not INTERPRETED, num_warps=4,
     )  # fmt: skip
     return q
 

@@ -52,6 +52,30 @@ def test_a_groups_samples_prefill_their_prompt_once_and_match_unshared_decoding(
     assert all(o.output_ids == alone for o in outs)
 
 
+def test_a_groups_prompt_kv_is_held_once_and_its_slot_is_not_reused_while_the_group_runs(engine):
+    group = [_req(f"g{i}", [4, 5, 6, 7], max_new_tokens=n, temperature=0) for i, n in enumerate((2, 9, 9))]
+    others = [_req(f"o{i}", [9 - i, 3, 2 + i], max_new_tokens=3, temperature=0) for i in range(3)]
+    outs = {}
+    for share in (False, True):  # the GPU engine shares; this runs the same scheduling on the reference path
+        engine.loop.share_prefix = share
+        outs[share] = engine.generate(group + others)  # the group's KV holder (slot 0) finishes first; others wait
+    for r, a, b in zip(group + others, outs[False], outs[True]):
+        assert a.output_ids == b.output_ids == _greedy_by_full_forward(engine.model, r.input_ids, len(a.output_ids))
+        torch.testing.assert_close(b.output_log_probs, a.output_log_probs)  # every position read as if copied
+
+
+def test_the_reference_attention_reads_a_shared_prefix_from_its_slot_as_if_copied():
+    torch.manual_seed(4)
+    q, k, v = torch.randn(4, 4, 16), torch.randn(4, 2, 30, 16), torch.randn(4, 2, 30, 16)
+    lens, slot, n = torch.tensor([9, 20, 30, 12]), torch.tensor([0, 0, 0, 3]), torch.tensor([7, 7, 7, 0])
+    copied_k, copied_v = k.clone(), v.clone()
+    copied_k[1:3, :, :7], copied_v[1:3, :, :7] = k[0, :, :7], v[0, :, :7]
+    torch.testing.assert_close(
+        decode_attention_reference(q, k, v, lens, prefix=(slot, n)),
+        decode_attention_reference(q, copied_k, copied_v, lens),
+    )
+
+
 def test_the_host_reads_the_finish_flags_once_when_no_row_can_stop_early(engine):
     reads = engine.loop.stats["flag_reads"]
     engine.generate([_req(str(i), [i + 1, 2], max_new_tokens=30, temperature=1.0) for i in range(4)], seed=0)
@@ -149,9 +173,13 @@ def test_triton_kernels_match_their_references_in_the_interpreter():
     torch.manual_seed(2)
     q, k, v = torch.randn(3, 4, 16), torch.randn(4, 2, 200, 16), torch.randn(4, 2, 200, 16)
     lens = torch.tensor([1, 77, 200])
+    slot, n = torch.tensor([0, 0, 2]), torch.tensor([40, 40, 0])  # rows 0 and 1 share slot 0's first 40 positions
     for splits in (1, 4):
         out = decode_attention_triton(q, k, v, lens, splits)
         torch.testing.assert_close(out, decode_attention_reference(q, k, v, lens), atol=1e-5, rtol=1e-5)
+        out = decode_attention_triton(q, k, v, lens, splits, (slot, n), block_n=16)
+        ref = decode_attention_reference(q, k, v, lens, prefix=(slot, n))
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     logits, t = torch.randn(4, 5000) * 3, torch.tensor([0.0, 1.0, 0.7, 2.0])  # 3 vocabulary tiles
     tok, lp = fused_sample(logits, t, torch.tensor([7]))
     ref = torch.log_softmax(logits / torch.where(t > 0, t, 1)[:, None], -1).gather(-1, tok[:, None])[:, 0]
