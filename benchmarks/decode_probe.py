@@ -92,23 +92,25 @@ def engine_figures(rows: int, prompt: int, group: int) -> dict:
             obj.__dict__.pop(name, None)
     from torch.profiler import ProfilerActivity, profile
 
-    reqs = requests(rows, prompt, 64, group, cfg.vocab_size)
+    reqs = requests(rows, prompt, 256, group, cfg.vocab_size)
     with profile(activities=[ProfilerActivity.CUDA]) as p:
+        t0 = time.perf_counter()
         e.generate(reqs, seed=5)
         torch.cuda.synchronize()
+        out["profiled_generate_256_s"] = time.perf_counter() - t0
     kern = []
     for ev in p.key_averages():
         if ev.device_time_total > 0 and not ev.key.startswith("aten::"):
-            kern.append((ev.key[:70], ev.count, ev.device_time_total))
+            kern.append((ev.key[:60], ev.count, ev.device_time_total))
     kern.sort(key=lambda k: -k[2])
-    out["kernels_64_steps_us"] = [[k, n, round(t, 1)] for k, n, t in kern[:30]]
+    out["kernels_256"] = [f"{k:60s} {n:6d} {t / 1e3:8.2f} ms {t / n:8.2f} us" for k, n, t in kern[:40]]
     out["kernel_sum_us"] = round(sum(k[2] for k in kern), 1)
     del e
     torch.cuda.empty_cache()
     return out
 
 
-def pieces(rows: int, ctx: int, group: int) -> dict:
+def pieces(rows: int, ctx: int, group: int, compile_gemms: bool = False) -> dict:
     from benchmarks.rollout import SIZES
     from miles.rollout import kernels as K
 
@@ -151,26 +153,31 @@ def pieces(rows: int, ctx: int, group: int) -> dict:
     t("silu_mul", lambda: K.silu_mul(gu))
     t("add_rmsnorm", lambda: K.add_rmsnorm(x, x, w_norm, 1e-6))
     t("rope_kv", lambda: K.rope_kv(qkv, cos, sin, lens, kc, vc, H, KVH, D))
-    for bv in (2048, 4096, 8192, 16384):
-        for nw in (4, 8):
+    t("sample", lambda: K.fused_sample(logits, temp, seed))
+    for bv in (1024, 2048, 4096):
+        for nw in (1, 2, 4, 8):
             t(f"sample_bv{bv}_w{nw}", lambda bv=bv, nw=nw: K.fused_sample(logits, temp, seed, block_v=bv, num_warps=nw))
-    for splits in (1,):
-        for bn in (32, 64, 128):
-            for nw in (2, 4):
+    for bn in (32, 64):
+        for nw in (1, 2):
+            for ns in (2, 3, 4):
                 t(
-                    f"attn_s{splits}_bn{bn}_w{nw}",
-                    lambda s=splits, bn=bn, nw=nw: K.decode_attention_triton(
-                        q, kc, vc, lens, s, block_n=bn, num_warps=nw
+                    f"attn_bn{bn}_w{nw}_s{ns}",
+                    lambda bn=bn, nw=nw, ns=ns: K.decode_attention_triton(
+                        q, kc, vc, lens, 1, block_n=bn, num_warps=nw, num_stages=ns
                     ),
                 )
-    for bn in (64, 128):
-        for nw in (4, 8):
-            t(
-                f"attn_prefix_bn{bn}_w{nw}",
-                lambda bn=bn, nw=nw: K.decode_attention_triton(
-                    q, kc, vc, lens, 1, (pslot, plen), block_n=bn, num_warps=nw
-                ),
-            )
+    t("attn_prefix_default", lambda: K.decode_attention_triton(q, kc, vc, lens, 1, (pslot, plen)))
+    if compile_gemms:
+        import torch._inductor.config as ic
+
+        ic.max_autotune_gemm_backends = "TRITON"
+        for name, a, b in (("qkv", x, w_qkv), ("o", x, w_o), ("gate_up", x, w_gu), ("down", act, w_d)):
+            t0 = time.perf_counter()
+            f = torch.compile(lambda a, b: a @ b.t(), mode="max-autotune-no-cudagraphs", dynamic=False)
+            f(a, b)
+            t(f"inductor_{name}", lambda f=f, a=a, b=b: f(a, b))
+            res[f"inductor_{name}_compile_s"] = round(time.perf_counter() - t0, 1)
+            torch._dynamo.reset()
     torch.backends.cuda.preferred_blas_library("cublaslt")
     t("lt_qkv_linear", lambda: F.linear(x, w_qkv, b_qkv))
     t("lt_o_linear", lambda: F.linear(x, w_o))
@@ -265,16 +272,19 @@ def main(argv=None) -> None:
     p.add_argument("--skip-engine", action="store_true")
     p.add_argument("--step-only", action="store_true")
     p.add_argument("--engine-only", action="store_true")
+    p.add_argument("--pieces-only", action="store_true")
+    p.add_argument("--compile-gemms", action="store_true", help="time inductor's max-autotune Triton GEMMs too")
     a = p.parse_args(argv)
     out = {"device": torch.cuda.get_device_name(), "rows": a.rows, "ctx": a.ctx}
     if not a.engine_only:
-        out["step_ms"] = step_probe(a.rows, a.ctx, a.group)
+        if not a.pieces_only:
+            out["step_ms"] = step_probe(a.rows, a.ctx, a.group)
+            print(json.dumps(out, indent=1), flush=True)
+            if a.step_only:
+                return
+        out["pieces_us"] = pieces(a.rows, a.ctx, a.group, a.compile_gemms)
         print(json.dumps(out, indent=1), flush=True)
-        if a.step_only:
-            return
-        out["pieces_us"] = pieces(a.rows, a.ctx, a.group)
-        print(json.dumps(out, indent=1), flush=True)
-    if not a.skip_engine:
+    if not (a.skip_engine or a.pieces_only):
         out["engine"] = engine_figures(a.rows, 128, a.group)
     print(json.dumps(out, indent=1))
 

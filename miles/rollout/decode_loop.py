@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from miles.rollout.forward import prefill
+from miles.rollout.forward import prefill, prefill_fused
 from miles.rollout.sampling import sample, use_triton
 
 STOP_SLOTS = 16  # stop token ids per request held on the device
@@ -262,21 +262,22 @@ class DecodeLoop:
         reqs = [by_slot[s][2] for s in slots]
         slots_t = torch.tensor(slots, device=dev)
         if self.share_prefix:  # the KV goes to each group's first slot only
-            kv_slots, kv_src = [groups[p][0] for p in prompts], list(range(len(prompts)))
+            kv_slots, kv_src = [groups[p][0] for p in prompts], None  # prompt i into its group's first slot
             holders = [groups[p][0] for p in prompts for _ in groups[p]]
         else:
             kv_slots, kv_src, holders = slots, src, slots
         self._reset_rows(slots_t, reqs, holders)
         with e._lock:
-            logits = prefill(
-                e.model,
+            args = (
                 e.cache,
                 e.rope,
                 ids.to(dev),
                 torch.tensor([len(p) for p in prompts], device=dev),
                 torch.tensor(kv_slots, device=dev),
-                torch.tensor(kv_src, device=dev),
-            )[torch.tensor(src, device=dev)]
+                None if kv_src is None else torch.tensor(kv_src, device=dev),
+            )
+            run = prefill(e.model, *args) if e.fused is None else prefill_fused(e.model, e.fused, *args)
+            logits = run[torch.tensor(src, device=dev)]
             flexible = any(r.sampling.top_p < 1 or r.sampling.top_k > 0 for r in reqs)
             tok, lp = sample(
                 logits,

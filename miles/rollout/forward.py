@@ -10,6 +10,7 @@ the caller owns.
 
     rope = RopeTable(model.config, max_len, device, dtype)
     logits_UV = prefill(model, cache, rope, ids_UP, lens_U, slots_N, src_N)
+    logits_UV = prefill_fused(model, fused, cache, rope, ids_UP, lens_U, slots_N, src_N)   # the same, on CUDA
     decode_step(model, cache, rope, tokens_R, lens_R, out_RV, bound=b)
     fused = fuse_projections(model)                  # on CUDA: q|k|v and gate|up each one matmul
     decode_step_fused(model, fused, cache, rope, tokens_R, lens_R, out_RV)   # Triton norm / rotary / SiLU
@@ -53,9 +54,10 @@ def prefill(
     ids_UP: torch.Tensor,
     lens_U: torch.Tensor,
     slots_N: torch.Tensor,
-    src_N: torch.Tensor,
+    src_N: torch.Tensor | None,
 ) -> torch.Tensor:
-    """Run U distinct prompts once; slot ``slots_N[i]`` gets prompt ``src_N[i]``'s K/V. Returns logits [U, V]."""
+    """Run U distinct prompts once; slot ``slots_N[i]`` gets prompt ``src_N[i]``'s K/V (``src_N`` None: prompt i's).
+    Returns logits [U, V]."""
     U, P = ids_UP.shape
     x = model.model.embed_tokens(ids_UP)
     cos, sin = rope.cos[:P][None, None], rope.sin[:P][None, None]
@@ -63,13 +65,54 @@ def prefill(
     for i, layer in enumerate(model.model.layers):
         attn = layer.self_attn
         q, k, v = _qkv(attn, layer.input_layernorm(x), cos, sin)
-        cache.k[i][:, :, :P].index_copy_(0, slots_N, k[src_N])
-        cache.v[i][:, :, :P].index_copy_(0, slots_N, v[src_N])
+        cache.k[i][:, :, :P].index_copy_(0, slots_N, k if src_N is None else k[src_N])
+        cache.v[i][:, :, :P].index_copy_(0, slots_N, v if src_N is None else v[src_N])
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         x = x + attn.o_proj(o.transpose(1, 2).reshape(U, P, -1))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
     last = x[torch.arange(U, device=x.device), lens_U - 1]
     return model.lm_head(model.model.norm(last))
+
+
+@torch.no_grad()
+def prefill_fused(
+    model: Decoder,
+    fused: "FusedProjections",
+    cache: KVCache,
+    rope: RopeTable,
+    ids_UP: torch.Tensor,
+    lens_U: torch.Tensor,
+    slots_N: torch.Tensor,
+    src_N: torch.Tensor | None,
+) -> torch.Tensor:
+    """``prefill`` over the fused projections and the decode step's Triton kernels (residual add + RMSNorm,
+    SiLU x up): one q|k|v and one gate|up matmul per layer, no FP32 copies of the hidden states."""
+    from miles.rollout.kernels import add_rmsnorm, silu_mul
+
+    cfg = model.config
+    H, KVH, D, eps = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps
+    U, P = ids_UP.shape
+    layers = model.model.layers
+    x = model.model.embed_tokens(ids_UP).view(U * P, -1)  # the residual stream, updated in place
+    h = add_rmsnorm(x, None, layers[0].input_layernorm.weight, eps)
+    cos, sin = rope.cos[:P][None, None], rope.sin[:P][None, None]
+    for i, layer in enumerate(layers):
+        a = layer.self_attn
+        qkv = F.linear(h, fused.qkv[i], fused.qkv_bias[i]).view(U, P, H + 2 * KVH, D)
+        q, k, v = qkv[:, :, :H], qkv[:, :, H : H + KVH], qkv[:, :, H + KVH :]
+        if cfg.qk_norm:  # Qwen3
+            q, k = a.q_norm(q), a.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        cache.k[i][:, :, :P].index_copy_(0, slots_N, k if src_N is None else k[src_N])
+        cache.v[i][:, :, :P].index_copy_(0, slots_N, v if src_N is None else v[src_N])
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=H != KVH)
+        h = add_rmsnorm(x, a.o_proj(o.transpose(1, 2).reshape(U * P, -1)), layer.post_attention_layernorm.weight, eps)
+        mlp = layer.mlp.down_proj(silu_mul(F.linear(h, fused.gate_up[i])))
+        nxt = layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else model.model.norm.weight
+        h = add_rmsnorm(x, mlp, nxt, eps)
+    last = h.view(U, P, -1)[torch.arange(U, device=h.device), lens_U - 1]  # already normed by model.norm
+    return model.lm_head(last)
 
 
 @torch.no_grad()

@@ -180,7 +180,7 @@ def test_triton_kernels_match_their_references_in_the_interpreter():
         out = decode_attention_triton(q, k, v, lens, splits, (slot, n), block_n=16)
         ref = decode_attention_reference(q, k, v, lens, prefix=(slot, n))
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
-    logits, t = torch.randn(4, 5000) * 3, torch.tensor([0.0, 1.0, 0.7, 2.0])  # 3 vocabulary tiles
+    logits, t = torch.randn(4, 5000) * 3, torch.tensor([0.0, 1.0, 0.7, 2.0])  # 5 vocabulary tiles
     tok, lp = fused_sample(logits, t, torch.tensor([7]))
     ref = torch.log_softmax(logits / torch.where(t > 0, t, 1)[:, None], -1).gather(-1, tok[:, None])[:, 0]
     torch.testing.assert_close(lp, ref, atol=1e-5, rtol=0)

@@ -94,6 +94,43 @@ def test_graphed_greedy_decoding_equals_the_argmax_of_a_full_forward_with_more_r
         assert logits[len(p) - 1 : -1].argmax(-1).tolist() == o.output_ids
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_fused_prefill_matches_the_reference_prefill_in_bf16(arch):
+    from dataclasses import replace
+
+    from miles.model.decoder import KVCache, build_decoder
+    from miles.rollout.forward import RopeTable, fuse_projections, prefill, prefill_fused
+
+    cfg = replace(_cfg("bfloat16"), architecture=arch, attention_bias=arch == "qwen2")
+    model, rope = build_decoder(cfg, seed=0, device="cuda"), RopeTable(cfg, 64, "cuda", torch.bfloat16)
+    caches = [KVCache.allocate(cfg, 6, 64, "cuda", torch.bfloat16) for _ in range(2)]
+    ids = torch.randint(1, 1000, (3, 20), device="cuda", generator=torch.Generator("cuda").manual_seed(2))
+    lens, slots, src = torch.tensor([20, 13, 7], device="cuda"), torch.tensor([4, 0, 2], device="cuda"), None
+    ref = prefill(model, caches[0], rope, ids, lens, slots, src)
+    out = prefill_fused(model, fuse_projections(model), caches[1], rope, ids, lens, slots, src)
+    assert ((out.float() - ref.float()).norm() / ref.float().norm()).item() < 1e-2
+    for a, b in zip(caches[0].tensors(), caches[1].tensors()):
+        assert ((a.float() - b.float()).norm() / a.float().norm()).item() < 1e-2
+
+
+@pytest.mark.filterwarnings("error:The CUDA Graph is empty")
+def test_grpo_groups_share_their_prompts_kv_and_decode_as_unshared_rows_do():
+    engine = EmbeddedEngine(_cfg(), max_batch_size=8, max_seq_len=96, device="cuda", seed=0)
+    assert engine.loop.share_prefix
+    prompts = [[(5 * g + j) % 997 + 1 for j in range(6 + 3 * g)] for g in range(4)]  # 4 groups of 4 on 8 slots
+    reqs = [_req(f"{g}.{i}", prompts[g], max_new_tokens=10 + 7 * i, temperature=0) for g in range(4) for i in range(4)]
+    outs = {}
+    for share in (True, False):
+        engine.loop.share_prefix = share
+        outs[share] = engine.generate(reqs)
+    for r, a, b in zip(reqs, outs[True], outs[False]):
+        with torch.no_grad():
+            logits = engine.model(torch.tensor([r.input_ids + a.output_ids], device="cuda"))[0]
+        assert logits[len(r.input_ids) - 1 : -1].argmax(-1).tolist() == a.output_ids == b.output_ids
+        # the same keys and values, read from one slot (the batches differ: pinned slots change the schedule)
+        torch.testing.assert_close(a.output_log_probs, b.output_log_probs, atol=1e-4, rtol=0)
+
+
 @pytest.mark.filterwarnings("error:The CUDA Graph is empty")
 def test_graphs_survive_a_weight_update_and_follow_the_new_weights():
     engine = EmbeddedEngine(_cfg(), max_batch_size=4, max_seq_len=64, device="cuda", seed=0)
