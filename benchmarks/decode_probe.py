@@ -264,6 +264,36 @@ def step_probe(rows: int, ctx: int, group: int, layers: int = 24) -> dict:
     return {k: round(v * 1e3, 4) for k, v in res.items()}  # ms per step
 
 
+def attention_sweep(rows: int, prompt: int, group: int, new: int = 256) -> dict:
+    """The engine's whole generate at each decode-attention launch configuration (graphs recaptured for each):
+    the kernel alone, repeated, runs from L2 and ranks configurations differently than the engine does."""
+    import functools
+
+    from benchmarks.rollout import model_cfg, requests
+    from miles.rollout import kernels as K
+    from miles.rollout.engine import EmbeddedEngine
+
+    cfg = model_cfg("0.5b", prompt + new, "cuda")
+    e = EmbeddedEngine(cfg, max_batch_size=rows, max_seq_len=prompt + new, device="cuda", seed=0)
+    orig, out = K.decode_attention_triton, {}
+    for bn, nw, ns in ((32, 1, 3), (32, 1, 2), (32, 1, 4), (16, 1, 3), (16, 1, 4), (64, 1, 2), (32, 2, 3), (64, 2, 2)):
+        K.decode_attention_triton = functools.partial(orig, block_n=bn, num_warps=nw, num_stages=ns)
+        e.graphs.release("sweep")
+        e.generate(requests(rows, prompt, 4, group, cfg.vocab_size, seed=1), seed=1)  # recapture
+        ts = []
+        for rep in range(3):
+            reqs = requests(rows, prompt, new, group, cfg.vocab_size)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            e.generate(reqs, seed=rep)
+            torch.cuda.synchronize()
+            ts.append(time.perf_counter() - t0)
+        out[f"bn{bn}_w{nw}_s{ns}"] = round(sorted(ts)[1], 4)
+        print(f"bn{bn}_w{nw}_s{ns}", out[f"bn{bn}_w{nw}_s{ns}"], flush=True)
+    K.decode_attention_triton = orig
+    return out
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--rows", type=int, default=512)
@@ -273,9 +303,14 @@ def main(argv=None) -> None:
     p.add_argument("--step-only", action="store_true")
     p.add_argument("--engine-only", action="store_true")
     p.add_argument("--pieces-only", action="store_true")
+    p.add_argument("--attn-sweep", action="store_true", help="only the in-engine attention configuration sweep")
     p.add_argument("--compile-gemms", action="store_true", help="time inductor's max-autotune Triton GEMMs too")
     a = p.parse_args(argv)
     out = {"device": torch.cuda.get_device_name(), "rows": a.rows, "ctx": a.ctx}
+    if a.attn_sweep:
+        out["attention_sweep_s"] = attention_sweep(a.rows, 128, a.group)
+        print(json.dumps(out, indent=1))
+        return
     if not a.engine_only:
         if not a.pieces_only:
             out["step_ms"] = step_probe(a.rows, a.ctx, a.group)
