@@ -199,6 +199,8 @@ def _one(size: str, rows: int, new: int, args, device: str, ceil: dict) -> dict:
     floor = floor_seconds(cfg, n, rows, args.prompt_len, new, args.group, ceil)
     if floor:
         row["floor_seconds"], row["engine_over_floor"] = floor, res["seconds"] / floor
+        # the same floor with every row's prompt prefilled (no GRPO sharing), as issue 21's own floor figures count
+        row["floor_every_prompt_seconds"] = floor_seconds(cfg, n, rows, args.prompt_len, new, 1, ceil)
     if not args.no_hf and new <= args.hf_max_new_tokens:
         row["hf_generate"] = bench_hf(engine, rows, args.prompt_len, new, args.group)
         row["speedup_over_hf"] = row["hf_generate"]["seconds"] / res["seconds"]

@@ -2,7 +2,9 @@
 
 Each request takes one slot (one row of the KV cache). Requests beyond the slots wait in a queue; a slot freed
 by a finished row takes the next waiting request, prefilled with the other newcomers that share its prompt
-(a GRPO group prefills once). A decode step touches only device tensors: the sampled token, its log-prob,
+(a GRPO group prefills once). With ``share_prefix`` (the GPU engine) the group's prompt KV is written once, into
+its first slot, and the other rows' attention reads the prompt's positions there; that slot is not handed to a
+new request until the whole group is done. A decode step touches only device tensors: the sampled token, its log-prob,
 the stop and length checks and the finished flags are written on the device (``advance``), so the host
 never waits on a step. It reads the flags every ``check_every`` steps while rows can stop early or requests
 wait, otherwise only when the first row reaches its length, which the host knows without asking.
