@@ -1,6 +1,7 @@
-"""The engine surface, declared once: what every rollout engine has (``Engine``) and the optional capabilities a
-weight sync looks for (``Transactional``, ``TwoCallUpdate``, ``ReceivesBroadcast``, ``ReceivesRDT``,
-``ReceivesInPlace``, ``ReceivesInProcess``).
+"""The engine surface, declared once: the request and output types every engine speaks (``GenerateRequest`` with
+its ``SamplingParams``, ``GenerateOutput``, ``EngineError``), what every rollout engine has (``Engine``) and the
+optional capabilities a weight sync looks for (``Transactional``, ``TwoCallUpdate``, ``ReceivesBroadcast``,
+``ReceivesRDT``, ``ReceivesInPlace``, ``ReceivesInProcess``).
 
 Engines: ``EmbeddedEngine`` (in-process), ``SGLangClient`` (one HTTP server), ``Router`` (several), and the
 ``RolloutManager``, which applies each weight and memory call to every engine it drives. A transport checks a
@@ -13,15 +14,49 @@ alike:
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 
+@dataclass(kw_only=True, slots=True)
+class SamplingParams:
+    max_new_tokens: int = 16
+    temperature: float = 1.0  # 0 = greedy (log-probs then reported at temperature 1)
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = no top-k cut
+    stop_token_ids: tuple[int, ...] = ()
+
+
+@dataclass(kw_only=True, slots=True)
+class GenerateRequest:
+    rid: str
+    input_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+
+
+@dataclass(kw_only=True, slots=True)
+class GenerateOutput:
+    rid: str
+    output_ids: list[int]
+    output_log_probs: list[float]
+    finish_reason: str  # "stop" | "length" | "abort"
+    weight_version: int
+
+
+class EngineError(ValueError):
+    """Bad input to the engine (the engine itself keeps serving)."""
+
+
+class WeightsNotSynced(EngineError):
+    """Generation asked of an engine whose weights were discarded and not yet written again (HTTP 409)."""
+
+
 @runtime_checkable
 class Engine(Protocol):
     def generate(self, requests: list[Any], *, seed: int | None = None) -> list[Any]:
-        """One GenerateOutput per GenerateRequest (miles.rollout.engine), in order, sampled per its SamplingParams."""
+        """One GenerateOutput per GenerateRequest, in order, sampled per its SamplingParams."""
         ...
 
     def abort(self, rids: Iterable[str] | str = "all") -> None:

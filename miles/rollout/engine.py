@@ -11,52 +11,25 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 
 import torch
 
 from miles.memory import MemoryLedger, TaggedMemory
 from miles.model.config import ModelConfig
 from miles.model.decoder import KVCache, build_decoder
+from miles.rollout.api import (
+    EngineError,
+    GenerateOutput,
+    GenerateRequest,
+    SamplingParams,  # noqa: F401 - re-exported: callers import the request types from here
+    WeightsNotSynced,
+)
 from miles.rollout.decode_loop import STOP_SLOTS, DecodeLoop, RowState, advance
 from miles.rollout.forward import RopeTable, decode_step, decode_step_fused, fuse_projections
 from miles.rollout.sampling import sample, use_triton
 from miles.sync.receiver import UpdateCalls
 
 ENGINE_TAGS = ("weights", "kv_cache", "cuda_graph")
-
-
-@dataclass(kw_only=True, slots=True)
-class SamplingParams:
-    max_new_tokens: int = 16
-    temperature: float = 1.0  # 0 = greedy (log-probs then reported at temperature 1)
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = no top-k cut
-    stop_token_ids: tuple[int, ...] = ()
-
-
-@dataclass(kw_only=True, slots=True)
-class GenerateRequest:
-    rid: str
-    input_ids: list[int]
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-
-
-@dataclass(kw_only=True, slots=True)
-class GenerateOutput:
-    rid: str
-    output_ids: list[int]
-    output_log_probs: list[float]
-    finish_reason: str  # "stop" | "length" | "abort"
-    weight_version: int
-
-
-class EngineError(ValueError):
-    """Bad input to the engine (the engine itself keeps serving)."""
-
-
-class WeightsNotSynced(EngineError):
-    """Generation asked of an engine whose weights were discarded and not yet written again (HTTP 409)."""
 
 
 class EmbeddedEngine(UpdateCalls):
