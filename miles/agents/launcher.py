@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -20,24 +19,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-
-def free_port_range(n: int, start: int = 20000, stop: int = 60000) -> int:
-    """The first port p such that p .. p+n-1 are all free on 127.0.0.1 (checked by binding)."""
-    p = start + (os.getpid() * 37) % 10000  # spread concurrent test runs apart
-    while p + n < stop:
-        if all(_free(p + i) for i in range(n)):
-            return p
-        p += n
-    raise RuntimeError(f"no {n} consecutive free ports in [{start}, {stop})")
+from miles.ports import free_ports
 
 
-def _free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
+def free_port_range(n: int) -> int:
+    """The first port p such that p .. p+n-1 are all free on 127.0.0.1 (miles.ports: below the ephemeral range)."""
+    return free_ports(n)
 
 
 def wait_ready(url: str, timeout_s: float, proc: subprocess.Popen | None = None, log: Path | None = None) -> dict:

@@ -10,7 +10,6 @@ import importlib.util
 import json
 import logging
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -21,19 +20,13 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 
 import httpx
 
+from miles.ports import free_port
 from miles.rollout.sglang_client import SGLangClient
 from miles.rollout.sglang_flags import STANDIN, engine_gpus, parse_port_range, sglang_server_flags
 
 log = logging.getLogger(__name__)
 READY_PREFIX = "miles serve: listening on "  # the line a `miles serve` child prints with its URL
 _LIVE: "weakref.WeakSet[ServerProcess]" = weakref.WeakSet()
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago (for servers that cannot report the port they bound)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class ServerProcess:

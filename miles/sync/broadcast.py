@@ -16,6 +16,7 @@ import uuid
 import torch
 
 from miles.config import SyncConfig
+from miles.ports import free_port
 from miles.sync.bucket_sync import BucketSync, SyncTimer
 from miles.sync.buckets import Piece, fused_group, layout
 from miles.sync.calls import is_actor, submit, wait
@@ -62,7 +63,7 @@ class BroadcastSync(BucketSync):
         """Rank 0 here; each endpoint from the next free rank, as many ranks as it takes (an engine process one,
         a real SGLang server one per tensor-parallel worker, a router the sum over its live servers)."""
         ranks = wait([submit(e, "group_ranks") for e in self.engines])
-        addr, port, world = _address(), _free_port(), 1 + sum(ranks)
+        addr, port, world = _address(), free_port(""), 1 + sum(ranks)
         offsets = [1 + sum(ranks[:i]) for i in range(len(ranks))]
         joins = [
             submit(e, "init_weights_update_group", addr, port, off, world, self.group_name, self.backend)
@@ -124,11 +125,3 @@ def _address() -> str:
     except ImportError:
         pass
     return "127.0.0.1"
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]

@@ -14,6 +14,7 @@ import torch
 from miles.config import RunConfig
 from miles.memory import MemoryLedger
 from miles.policy.objective import resolved_trainer
+from miles.ports import free_port
 from miles.threads import actor_options, init_on_compute_thread, on_compute_thread
 
 
@@ -183,7 +184,7 @@ class TrainGroup:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        port = _free_port()
+        port = free_port()
         n = cfg.trainer.world_size
         cls = ray.remote(TrainActor)
         rdt = {}
@@ -268,11 +269,3 @@ class TrainGroup:
         import ray
 
         return ray.get([getattr(a, method).remote(x, **kwargs) for a, x in zip(self.actors, per_rank_args)])
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
