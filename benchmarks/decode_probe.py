@@ -43,6 +43,21 @@ def graph_time(fn, reps: int = REPS, tries: int = 5) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def median_generate(e, rows: int, prompt: int, new: int, group: int, reps: int = 3) -> float:
+    """Median wall seconds of ``reps`` whole generates of the bench's requests (device synced around each)."""
+    from benchmarks.rollout import requests
+
+    ts = []
+    for rep in range(reps):
+        reqs = requests(rows, prompt, new, group, e.cfg.vocab_size)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        e.generate(reqs, seed=rep)
+        torch.cuda.synchronize()
+        ts.append(time.perf_counter() - t0)
+    return sorted(ts)[len(ts) // 2]
+
+
 def engine_figures(rows: int, prompt: int, group: int) -> dict:
     from benchmarks.rollout import model_cfg, requests
     from miles.rollout.engine import EmbeddedEngine
@@ -50,17 +65,7 @@ def engine_figures(rows: int, prompt: int, group: int) -> dict:
     cfg = model_cfg("0.5b", prompt + 256, "cuda")
     e = EmbeddedEngine(cfg, max_batch_size=rows, max_seq_len=prompt + 256, device="cuda", seed=0)
     e.generate(requests(rows, prompt, 4, group, cfg.vocab_size, seed=1), seed=1)
-    out = {}
-    for new in (64, 256):
-        ts = []
-        for rep in range(3):
-            reqs = requests(rows, prompt, new, group, cfg.vocab_size)
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            e.generate(reqs, seed=rep)
-            torch.cuda.synchronize()
-            ts.append(time.perf_counter() - t0)
-        out[f"generate_{new}_s"] = sorted(ts)[1]
+    out = {f"generate_{new}_s": median_generate(e, rows, prompt, new, group) for new in (64, 256)}
     out["per_step_ms"] = (out["generate_256_s"] - out["generate_64_s"]) / 192 * 1e3
     # host phases of one 64-token generate, each bracketed by a device sync
     phases: dict = {}
@@ -265,10 +270,13 @@ def step_probe(rows: int, ctx: int, group: int, layers: int = 24) -> dict:
 
 
 def attention_sweep(rows: int, prompt: int, group: int, new: int = 256) -> dict:
-    """The engine's whole generate at each decode-attention launch configuration (graphs recaptured for each):
-    the kernel alone, repeated, runs from L2 and ranks configurations differently than the engine does."""
+    """The engine's whole generate at each decode-attention variant (graphs recaptured for each): the kernel's
+    launch configurations, and the row-block kernel of benchmarks/decode_probe_kernels.py that reads a shared
+    prompt once per block. The kernel alone, repeated, runs from L2 and ranks variants differently than the
+    engine does."""
     import functools
 
+    from benchmarks.decode_probe_kernels import decode_attention_blocks
     from benchmarks.rollout import model_cfg, requests
     from miles.rollout import kernels as K
     from miles.rollout.engine import EmbeddedEngine
@@ -276,20 +284,29 @@ def attention_sweep(rows: int, prompt: int, group: int, new: int = 256) -> dict:
     cfg = model_cfg("0.5b", prompt + new, "cuda")
     e = EmbeddedEngine(cfg, max_batch_size=rows, max_seq_len=prompt + new, device="cuda", seed=0)
     orig, out = K.decode_attention_triton, {}
-    for bn, nw, ns in ((32, 1, 3), (32, 1, 2), (32, 1, 4), (16, 1, 3), (16, 1, 4), (64, 1, 2), (32, 2, 3), (64, 2, 2)):
-        K.decode_attention_triton = functools.partial(orig, block_n=bn, num_warps=nw, num_stages=ns)
+    variants = {
+        f"bn{bn}_w{nw}_s{ns}": functools.partial(orig, block_n=bn, num_warps=nw, num_stages=ns)
+        for bn, nw, ns in (
+            (32, 1, 3),
+            (32, 1, 2),
+            (32, 1, 4),
+            (16, 1, 3),
+            (16, 1, 4),
+            (64, 1, 2),
+            (32, 2, 3),
+            (64, 2, 2),
+        )
+    }
+    for rb in (2, 4, 8):
+        for bn, nw in ((32, 4), (64, 4), (32, 2)):
+            kw = dict(group_rows=rb, block_n=bn, num_warps=nw)
+            variants[f"blocks{rb}_bn{bn}_w{nw}"] = functools.partial(decode_attention_blocks, fallback=orig, **kw)
+    for name, fn in variants.items():
+        K.decode_attention_triton = fn
         e.graphs.release("sweep")
         e.generate(requests(rows, prompt, 4, group, cfg.vocab_size, seed=1), seed=1)  # recapture
-        ts = []
-        for rep in range(3):
-            reqs = requests(rows, prompt, new, group, cfg.vocab_size)
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            e.generate(reqs, seed=rep)
-            torch.cuda.synchronize()
-            ts.append(time.perf_counter() - t0)
-        out[f"bn{bn}_w{nw}_s{ns}"] = round(sorted(ts)[1], 4)
-        print(f"bn{bn}_w{nw}_s{ns}", out[f"bn{bn}_w{nw}_s{ns}"], flush=True)
+        out[name] = round(median_generate(e, rows, prompt, new, group), 4)
+        print(name, out[name], flush=True)
     K.decode_attention_triton = orig
     return out
 

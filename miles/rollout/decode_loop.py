@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from miles.rollout.forward import prefill, prefill_fused
+from miles.rollout.forward import prefill
 from miles.rollout.sampling import sample, use_triton
 
 STOP_SLOTS = 16  # stop token ids per request held on the device
@@ -278,8 +278,7 @@ class DecodeLoop:
                 torch.tensor(kv_slots, device=dev),
                 None if kv_src is None else torch.tensor(kv_src, device=dev),
             )
-            run = prefill(e.model, *args) if e.fused is None else prefill_fused(e.model, e.fused, *args)
-            logits = run[torch.tensor(src, device=dev)]
+            logits = prefill(e.model, *args, fused=e.fused)[torch.tensor(src, device=dev)]
             flexible = any(r.sampling.top_p < 1 or r.sampling.top_k > 0 for r in reqs)
             tok, lp = sample(
                 logits,

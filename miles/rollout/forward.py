@@ -10,9 +10,9 @@ the caller owns.
 
     rope = RopeTable(model.config, max_len, device, dtype)
     logits_UV = prefill(model, cache, rope, ids_UP, lens_U, slots_N, src_N)
-    logits_UV = prefill_fused(model, fused, cache, rope, ids_UP, lens_U, slots_N, src_N)   # the same, on CUDA
     decode_step(model, cache, rope, tokens_R, lens_R, out_RV, bound=b)
     fused = fuse_projections(model)                  # on CUDA: q|k|v and gate|up each one matmul
+    logits_UV = prefill(model, cache, rope, ids_UP, lens_U, slots_N, src_N, fused=fused)   # the same, fused
     decode_step_fused(model, fused, cache, rope, tokens_R, lens_R, out_RV)   # Triton norm / rotary / SiLU
 """
 
@@ -55,36 +55,34 @@ def prefill(
     lens_U: torch.Tensor,
     slots_N: torch.Tensor,
     src_N: torch.Tensor | None,
+    fused: "FusedProjections | None" = None,
 ) -> torch.Tensor:
     """Run U distinct prompts once; slot ``slots_N[i]`` gets prompt ``src_N[i]``'s K/V (``src_N`` None: prompt i's).
-    Returns logits [U, V]."""
+    Returns logits [U, V]. ``fused`` (the CUDA engine's): the fused matmuls and the decode step's Triton kernels."""
+    if fused is not None:
+        return _prefill_fused(model, fused, cache, rope, ids_UP, lens_U, slots_N, src_N)
     U, P = ids_UP.shape
     x = model.model.embed_tokens(ids_UP)
     cos, sin = rope.cos[:P][None, None], rope.sin[:P][None, None]
-    gqa = model.config.num_attention_heads != model.config.num_key_value_heads
     for i, layer in enumerate(model.model.layers):
         attn = layer.self_attn
         q, k, v = _qkv(attn, layer.input_layernorm(x), cos, sin)
-        cache.k[i][:, :, :P].index_copy_(0, slots_N, k if src_N is None else k[src_N])
-        cache.v[i][:, :, :P].index_copy_(0, slots_N, v if src_N is None else v[src_N])
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        o = _cache_and_attend(cache, i, slots_N, src_N, q, k, v)
         x = x + attn.o_proj(o.transpose(1, 2).reshape(U, P, -1))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
     last = x[torch.arange(U, device=x.device), lens_U - 1]
     return model.lm_head(model.model.norm(last))
 
 
-@torch.no_grad()
-def prefill_fused(
-    model: Decoder,
-    fused: "FusedProjections",
-    cache: KVCache,
-    rope: RopeTable,
-    ids_UP: torch.Tensor,
-    lens_U: torch.Tensor,
-    slots_N: torch.Tensor,
-    src_N: torch.Tensor | None,
-) -> torch.Tensor:
+def _cache_and_attend(cache: KVCache, i: int, slots_N, src_N, q, k, v) -> torch.Tensor:
+    """Layer ``i``'s prompt K/V into their slots, then causal attention over the prompts ([U, heads, P, D])."""
+    P = k.shape[2]
+    cache.k[i][:, :, :P].index_copy_(0, slots_N, k if src_N is None else k[src_N])
+    cache.v[i][:, :, :P].index_copy_(0, slots_N, v if src_N is None else v[src_N])
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def _prefill_fused(model, fused, cache, rope, ids_UP, lens_U, slots_N, src_N) -> torch.Tensor:
     """``prefill`` over the fused projections and the decode step's Triton kernels (residual add + RMSNorm,
     SiLU x up): one q|k|v and one gate|up matmul per layer, no FP32 copies of the hidden states."""
     from miles.rollout.kernels import add_rmsnorm, silu_mul
@@ -104,9 +102,7 @@ def prefill_fused(
             q, k = a.q_norm(q), a.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-        cache.k[i][:, :, :P].index_copy_(0, slots_N, k if src_N is None else k[src_N])
-        cache.v[i][:, :, :P].index_copy_(0, slots_N, v if src_N is None else v[src_N])
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=H != KVH)
+        o = _cache_and_attend(cache, i, slots_N, src_N, q, k, v)
         h = add_rmsnorm(x, a.o_proj(o.transpose(1, 2).reshape(U * P, -1)), layer.post_attention_layernorm.weight, eps)
         mlp = layer.mlp.down_proj(silu_mul(F.linear(h, fused.gate_up[i])))
         nxt = layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else model.model.norm.weight

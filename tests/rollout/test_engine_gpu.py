@@ -99,7 +99,7 @@ def test_fused_prefill_matches_the_reference_prefill_in_bf16(arch):
     from dataclasses import replace
 
     from miles.model.decoder import KVCache, build_decoder
-    from miles.rollout.forward import RopeTable, fuse_projections, prefill, prefill_fused
+    from miles.rollout.forward import RopeTable, fuse_projections, prefill
 
     cfg = replace(_cfg("bfloat16"), architecture=arch, attention_bias=arch == "qwen2")
     model, rope = build_decoder(cfg, seed=0, device="cuda"), RopeTable(cfg, 64, "cuda", torch.bfloat16)
@@ -107,7 +107,7 @@ def test_fused_prefill_matches_the_reference_prefill_in_bf16(arch):
     ids = torch.randint(1, 1000, (3, 20), device="cuda", generator=torch.Generator("cuda").manual_seed(2))
     lens, slots, src = torch.tensor([20, 13, 7], device="cuda"), torch.tensor([4, 0, 2], device="cuda"), None
     ref = prefill(model, caches[0], rope, ids, lens, slots, src)
-    out = prefill_fused(model, fuse_projections(model), caches[1], rope, ids, lens, slots, src)
+    out = prefill(model, caches[1], rope, ids, lens, slots, src, fused=fuse_projections(model))
     assert ((out.float() - ref.float()).norm() / ref.float().norm()).item() < 1e-2
     for a, b in zip(caches[0].tensors(), caches[1].tensors()):
         assert ((a.float() - b.float()).norm() / a.float().norm()).item() < 1e-2
