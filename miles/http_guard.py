@@ -8,8 +8,12 @@ ASGI middleware in front of the whole app, refuses:
 - a request a browser marks as cross-site (``Sec-Fetch-Site: cross-site``, or an ``Origin`` outside the
   allow-list; 403),
 - a request body that is not declared ``application/json`` (415; SGLang's clients always declare it),
-- with an API key set (``--api-key`` or ``MILES_API_KEY``, as SGLang's ``--api-key``): a request without
-  ``Authorization: Bearer <key>`` (401), except the liveness probe ``/health``,
+- with an API key set (``--api-key-file``, ``MILES_API_KEY`` or SGLang's ``--api-key``): a request without
+  ``Authorization: Bearer <key>`` (401; the scheme in any case, RFC 7235), except the liveness probe ``/health``,
+- a GET (or HEAD) of an endpoint that changes state (``state_changing_gets``; SGLang accepts GET there too) with
+  no API key set and no sign that it came from the same origin (405): an ``<img>`` on any page, in a browser too old
+  to send ``Sec-Fetch-Site``, sends exactly such a GET. Same-origin signs: ``Sec-Fetch-Site: same-origin`` or
+  ``none`` (typed by the user), or an ``Origin`` equal to the Host. A program sends POST (or the key),
 - with a body limit set (``max_body_bytes``): a body larger than it (413), by its Content-Length before any byte
   is read, or, sent chunked, as soon as the bytes read pass the limit (a client cannot fill the server's memory).
 
@@ -83,8 +87,11 @@ class HttpGuard:
         allowed_hosts: tuple[str, ...] = LOOPBACK_HOSTS,
         open_paths: tuple[str, ...] = ("/health",),
         max_body_bytes: int = 0,
+        state_changing_gets: tuple[str, ...] = (),
+        key_hint: str = "API key",
     ):
         self.app, self.api_key, self.open_paths = app, api_key, open_paths
+        self.state_changing_gets, self.key_hint = frozenset(state_changing_gets), key_hint
         self.max_body_bytes = max_body_bytes  # 0 = no limit
         self.any_host = "*" in allowed_hosts
         self.hosts = {host_of(h) for h in allowed_hosts}
@@ -133,12 +140,19 @@ class HttpGuard:
         ):
             return 403, f"cross-site request refused (Origin {origin!r}); call this API from a program, not a page", []
         if self.api_key and scope["path"] not in self.open_paths:
-            given = headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+            if not bearer_matches(headers.get("authorization", ""), self.api_key):
                 return (
                     401,
-                    "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                    f"missing or wrong {self.key_hint}: send 'Authorization: Bearer <key>'",
                     [(b"www-authenticate", b"Bearer")],
+                )
+        if scope["method"] in ("GET", "HEAD") and scope["path"] in self.state_changing_gets and not self.api_key:
+            if not _same_origin(headers):
+                return (
+                    405,
+                    f"GET {scope['path']} changes this server's state and the request shows no sign of coming from "
+                    "this origin (a link or <img> on any page sends such a GET); send it as POST",
+                    [(b"allow", b"POST")],
                 )
         if scope["method"].encode() in BODY_METHODS and _has_body(headers):
             ctype = headers.get("content-type", "").split(";", 1)[0].strip().lower()
@@ -155,6 +169,20 @@ class HttpGuard:
             "weights by file (update_weights_from_disk, flattened_bucket handles) or raise the limit "
             "(miles serve --max-request-mb)"
         )
+
+
+def bearer_matches(header: str, key: str) -> bool:
+    """``Authorization: Bearer <key>``: the scheme in any case (RFC 7235), the key compared in constant time."""
+    scheme, _, given = header.strip().partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), key.encode())
+
+
+def _same_origin(headers: dict[str, str]) -> bool:
+    """The browser says the request is same-origin (or typed by the user), or its Origin is the Host it asks."""
+    if headers.get("sec-fetch-site") in ("same-origin", "none"):
+        return True
+    origin = headers.get("origin", "")
+    return "://" in origin and origin.split("://", 1)[1].rstrip("/").lower() == headers.get("host", "").lower()
 
 
 class _BodyTooLarge(Exception):

@@ -33,6 +33,7 @@ PROCS = {  # test files that start Ray, child processes, process groups or HTTP 
     "model/test_smollm2.py",
     "optim/test_optim_offload_disk.py",
     "rollout/test_router_failover.py",
+    "rollout/test_serve_connections.py",
     "rollout/test_server_bucket_files.py",
     "rollout/test_server_guard.py",
     "rollout/test_server_http.py",

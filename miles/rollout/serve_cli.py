@@ -15,6 +15,7 @@ import time
 
 import torch
 
+from miles.http_connections import HEAD_TIMEOUT_S, MAX_PER_CLIENT, guarded_protocol
 from miles.http_guard import API_KEY_ENV, allowed_hosts, api_key_from, exposure_warning
 from miles.rollout.launch import READY_PREFIX
 from miles.rollout.server import EngineServer, build_engine
@@ -27,10 +28,27 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
     p.add_argument("--host", default="127.0.0.1", help="interface to bind; the default keeps it on this machine")
     p.add_argument("--port", type=_port, default=30000, help="0 picks a free port (printed on stdout)")
+    key = p.add_mutually_exclusive_group()
+    key.add_argument(
+        "--api-key-file",
+        default="",
+        help=f"require 'Authorization: Bearer KEY' on every endpoint but /health, KEY read from this file (mode "
+        f"600); default: ${API_KEY_ENV}, else no key",
+    )
+    key.add_argument(
+        "--api-key", default=None, help="the key itself (SGLang's flag): visible to every user in `ps`; prefer the file"
+    )
     p.add_argument(
-        "--api-key",
-        default=None,
-        help=f"require 'Authorization: Bearer KEY' on every endpoint but /health (default: ${API_KEY_ENV}, else none)",
+        "--head-timeout-s",
+        type=float,
+        default=HEAD_TIMEOUT_S,
+        help="close a connection whose request line and headers have not all arrived after this long (408; 0 = never)",
+    )
+    p.add_argument(
+        "--max-connections-per-client",
+        type=int,
+        default=MAX_PER_CLIENT,
+        help="open connections one client address may hold; more are answered 503 and closed (0 = no cap)",
     )
     p.add_argument(
         "--allowed-hosts",
@@ -96,6 +114,22 @@ def _mib(text: str) -> float:
     return mib
 
 
+def api_key_of(args) -> str:
+    """The key from --api-key-file, --api-key (with a warning: argv is public) or $MILES_API_KEY; "" for none."""
+    from miles.secret_file import read_secret_file
+
+    if args.api_key_file:
+        return read_secret_file(args.api_key_file, "--api-key-file")
+    if args.api_key is not None:
+        print(
+            "WARNING miles serve: --api-key puts the key in this process's arguments, which every user of the "
+            f"machine can read (ps); use --api-key-file FILE (mode 600) or ${API_KEY_ENV}",
+            file=sys.stderr,
+            flush=True,
+        )
+    return api_key_from(args.api_key)
+
+
 def bind(host: str, port: int) -> socket.socket:
     """A listening socket; an OSError whose message names the address and the fix when it cannot be had."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
@@ -140,7 +174,12 @@ def main(argv: list[str] | None = None) -> int:
 
     args = _parser().parse_args(argv)
     cfg = load_config(args)
-    api_key = api_key_from(args.api_key)
+    try:
+        api_key = api_key_of(args)
+        protocol = guarded_protocol(args.head_timeout_s, args.max_connections_per_client)
+    except ValueError as e:
+        print(f"miles serve: {e}", file=sys.stderr, flush=True)
+        return 2
     if warning := exposure_warning("miles serve", args.host, api_key):
         print(warning, file=sys.stderr, flush=True)
     sock = bind(args.host, args.port)  # before the engine is built: a taken port fails in a moment
@@ -161,7 +200,9 @@ def main(argv: list[str] | None = None) -> int:
         _watch_parent(args.parent_pid)
     host = f"[{args.host}]" if ":" in args.host else args.host
     print(f"{READY_PREFIX}http://{host}:{sock.getsockname()[1]}", flush=True)
-    config = uvicorn.Config(server.app, log_level=args.log_level, access_log=False, timeout_keep_alive=60, backlog=2048)
+    config = uvicorn.Config(
+        server.app, log_level=args.log_level, access_log=False, timeout_keep_alive=60, backlog=2048, http=protocol
+    )
     uvicorn.Server(config).run(sockets=[sock])
     return 0
 

@@ -16,7 +16,10 @@ later buckets land in and /update_weight_version commits) and POST /miles/abort_
 Who may call it (miles.http_guard): the Host header must name loopback or the bound host, a body must be sent
 as ``application/json`` (415 otherwise), browsers' cross-site requests are refused, and with ``--api-key`` /
 ``$MILES_API_KEY`` every endpoint but /health needs ``Authorization: Bearer KEY``. Binding beyond loopback
-without a key prints a warning.
+without a key prints a warning. /flush_cache, /release_memory_occupation and /resume_memory_occupation take GET
+as SGLang's do, but without a key a GET needs same-origin evidence (405 otherwise; programs send POST). A
+request head must arrive within ``--head-timeout-s`` and one client address may hold
+``--max-connections-per-client`` connections (miles.http_connections).
 
 Deliberate differences from SGLang:
 - /generate takes ``input_ids`` only (no ``text``; the server holds no tokenizer) and returns ``"text": ""``;
@@ -88,6 +91,10 @@ from miles.sync.disk_delta.baseline import MissingTensorError
 log = logging.getLogger("miles.serve")
 
 
+# endpoints that change the engine's state and that SGLang also serves on GET: GET needs same-origin evidence here
+STATE_CHANGING_GETS = ("/flush_cache", "/release_memory_occupation", "/resume_memory_occupation")
+
+
 class Conflict(RuntimeError):
     """The request is valid but the engine's state forbids it now (HTTP 409)."""
 
@@ -106,6 +113,8 @@ async def _body(request: Request) -> dict:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise WireError(f"malformed JSON body: {e}; send a JSON object") from None
+    except RecursionError:
+        raise WireError("JSON body nested too deeply to parse; send a flat JSON object") from None
     if not isinstance(body, dict):
         raise WireError(f"expected a JSON object, got {type(body).__name__}")
     return body
@@ -137,7 +146,11 @@ class EngineServer:
         self.groups = GroupCalls(engine, connect_timeout_s=group_connect_timeout_s)
         self.app = FastAPI(title="miles serve", lifespan=self._lifespan)
         self.app.add_middleware(
-            HttpGuard, api_key=api_key, allowed_hosts=allowed_hosts, max_body_bytes=max_request_bytes
+            HttpGuard,
+            api_key=api_key,
+            allowed_hosts=allowed_hosts,
+            max_body_bytes=max_request_bytes,
+            state_changing_gets=STATE_CHANGING_GETS,
         )
         self._routes()
 

@@ -122,3 +122,46 @@ def test_a_negative_body_limit_is_refused_naming_the_flag(capsys):
     with pytest.raises(SystemExit):
         serve_main(["--max-request-mb", "-1"])
     assert "'-1' is not a size in MiB" in capsys.readouterr().err
+
+
+def test_a_state_changing_get_needs_same_origin_evidence_or_the_key_and_post_always_works(serve):
+    """Review 2026-12-04 S14: an <img> GET (no Origin, no Sec-Fetch-*) released the engine's weights."""
+    s = serve()
+    for path in ("/release_memory_occupation", "/resume_memory_occupation", "/flush_cache"):
+        for method in ("GET", "HEAD"):
+            r = httpx.request(method, s.url + path)
+            assert r.status_code == 405 and r.headers["allow"] == "POST", (method, path, r.status_code)
+    assert "send it as POST" in httpx.get(s.url + "/flush_cache").json()["message"]
+    assert httpx.get(s.url + "/miles/memory").json()["tags"]["weights"]["paused"] is False
+    port = s.url.rsplit(":", 1)[1]
+    same_origin = [{"Sec-Fetch-Site": "same-origin"}, {"Sec-Fetch-Site": "none"}, {"Origin": s.url}]
+    for headers in same_origin:
+        assert httpx.get(s.url + "/flush_cache", headers=headers).status_code == 200, headers
+    other_port = {"Origin": f"http://127.0.0.1:{int(port) + 1}", "Sec-Fetch-Site": "same-site"}
+    assert httpx.get(s.url + "/flush_cache", headers=other_port).status_code == 405
+    assert httpx.post(s.url + "/flush_cache").status_code == 200
+    assert httpx.get(s.url + "/get_weight_version").status_code == 200  # reads stay GET
+    keyed = serve(api_key="k1")  # a GET that carries the key is a program's
+    assert httpx.get(keyed.url + "/flush_cache", headers={"Authorization": "Bearer k1"}).status_code == 200
+
+
+def test_the_bearer_scheme_is_read_in_any_case_and_the_key_exactly(serve):
+    """Review 2026-12-04 S16: 'bearer KEY' was a 401 (RFC 7235: the scheme is case-insensitive)."""
+    s = serve(api_key="MiXed-key")
+    for auth in ("Bearer MiXed-key", "bearer MiXed-key", "BEARER MiXed-key", "Bearer  MiXed-key"):
+        assert httpx.get(s.url + "/get_weight_version", headers={"Authorization": auth}).status_code == 200, auth
+    for auth in ("Bearer mixed-key", "Basic MiXed-key", "BearerMiXed-key", "MiXed-key", "Bearer"):
+        assert httpx.get(s.url + "/get_weight_version", headers={"Authorization": auth}).status_code == 401, auth
+
+
+def test_a_100k_deep_json_body_is_a_400_and_the_connection_keeps_serving(serve):
+    """Review 2026-12-04 S28: a 500 with a RecursionError traceback, then 'connection reset' on that connection."""
+    s = serve()
+    with httpx.Client() as client:  # one keep-alive connection
+        for deep in (b"[" * 100_000 + b"]" * 100_000, b'{"a":' * 100_000 + b"1" + b"}" * 100_000):
+            r = client.post(
+                s.url + "/update_weight_version", content=deep, headers={"Content-Type": "application/json"}
+            )
+            assert r.status_code == 400 and "nested too deeply" in r.json()["message"], r.text[:200]
+        assert client.post(s.url + "/update_weight_version", json={"new_version": 2}).status_code == 200
+    assert _version(s.url) == 2
