@@ -21,6 +21,7 @@ from miles.policy.objective import check_objective, check_rollout, check_trainer
 from miles.trackers import LogConfig
 
 ROLLOUT_LEVELS = ("kv_cache", "weight")
+MAX_THREADS = 4096
 
 
 @dataclass(kw_only=True, slots=True)
@@ -302,11 +303,14 @@ class RunConfig:
     log: LogConfig = field(default_factory=LogConfig)  # experiment trackers
 
     def __post_init__(self):
+        require_finite("", self)
         for f in dataclasses.fields(self):  # every section, those without a check of their own too
             if dataclasses.is_dataclass(section := getattr(self, f.name)):
                 require_finite(f.name, section)
         check("seed", self.seed, ge=0, lt=2**32, fix="any integer in [0, 2**32)")
-        check("num_threads", self.num_threads, ge=0, fix="0 = all cores")
+        # torch takes any count and crashes later (10**6 threads: a segfault); 4096 is above any one machine's
+        # hardware threads
+        check("num_threads", self.num_threads, ge=0, le=MAX_THREADS, fix="torch threads per actor; 0 = all cores")
         if self.num_steps < 0 or self.checkpoint_every < 0:
             raise ValueError(
                 f"num_steps = {self.num_steps} and checkpoint_every = {self.checkpoint_every} must be >= 0"

@@ -4,7 +4,7 @@ A value that trains silently wrong (a negative clip norm is gradient ascent, a N
 or fails late inside an actor is refused when the config is built, before Ray starts, with the field, the value
 and the fix in the message:
 
-    require_finite("trainer", self)  # NaN and infinities, in every float field
+    require_finite("trainer", self)  # NaN and infinities in every float field, ints beyond 64 bits
     check("trainer.max_grad_norm", self.max_grad_norm, gt=0, fix="e.g. 1.0")
     -> ValueError: trainer.max_grad_norm = -1.0 must be > 0; e.g. 1.0
 """
@@ -29,15 +29,23 @@ def check(path: str, value, *, gt=None, ge=None, lt=None, le=None, fix: str = ""
         raise ValueError(f"{path} = {value!r} must be {what}" + (f"; {fix}" if fix else ""))
 
 
+INT_LIMIT = 2**63  # every config integer fits a signed 64-bit integer, what torch and C code read them as
+
+
 def require_finite(section: str, cfg) -> None:
-    """Refuse NaN and infinities in every float field (and every float in a tuple field) of the dataclass ``cfg``."""
+    """Refuse NaN and infinities in every float field (and every float in a tuple field) of the dataclass ``cfg``,
+    and integers beyond 64 bits in its int fields (``num_threads=1e30`` would fail only inside a Ray actor).
+    ``section`` "" is the run config's own fields."""
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)
         items = value if isinstance(value, tuple) else (value,)
+        default = f.default if f.default is not dataclasses.MISSING else None
+        hint = f" (the default is {_show(default)})" if default is not None else ""
+        path = f"{section}.{f.name}" if section else f.name
         if any(isinstance(x, float) and not math.isfinite(x) for x in items):
-            default = f.default if f.default is not dataclasses.MISSING else None
-            hint = f" (the default is {_show(default)})" if default is not None else ""
-            raise ValueError(f"{section}.{f.name} = {_show(value)} is not a finite number; set a finite value{hint}")
+            raise ValueError(f"{path} = {_show(value)} is not a finite number; set a finite value{hint}")
+        if any(isinstance(x, int) and not -INT_LIMIT <= x < INT_LIMIT for x in items):
+            raise ValueError(f"{path} = {_show(value)} is out of range: a config integer must fit in 64 bits{hint}")
 
 
 def _num(x) -> str:

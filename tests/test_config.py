@@ -148,7 +148,7 @@ def test_misspelt_field_in_code_is_an_error():
         ("trainer.betas=2,3", "trainer.betas[0] = 2.0 must be >= 0 and < 1"),
         ("trainer.betas=0.9,nan", "trainer.betas = 0.9,nan is not a finite number"),
         ("trainer.optimizer_offload_chunk_bytes=0", "trainer.optimizer_offload_chunk_bytes = 0 must be >= 1"),
-        ("num_threads=-4", "num_threads = -4 must be >= 0; 0 = all cores"),
+        ("num_threads=-4", "num_threads = -4 must be >= 0 and <= 4096; torch threads per actor; 0 = all cores"),
         ("agents.oversample_factor=inf", "agents.oversample_factor = inf is not a finite number"),
     ],
 )

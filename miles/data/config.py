@@ -45,6 +45,11 @@ class DataConfig:
             raise ValueError(f"data.max_prompt_tokens = {self.max_prompt_tokens} must be >= 0 (0: from the engine)")
 
 
+# eval.k's ceiling: 4x the largest k of published pass@k curves (1024, RL-vs-base studies of reasoning models); an
+# eval of 500 problems at k = 4096 already generates 2M completions, and k = 1e9 is a typo, not a measurement
+MAX_EVAL_K = 4096
+
+
 @dataclass(kw_only=True, slots=True)
 class EvalConfig:
     every: int = 0  # RL steps between held-out evals of data.eval; 0 = only before the first step and at the end
@@ -60,6 +65,11 @@ class EvalConfig:
             raise ValueError(
                 f"eval.every = {self.every}, eval.k = {self.k}, eval.max_new_tokens = {self.max_new_tokens}, "
                 f"eval.max_problems = {self.max_problems}: need every >= 0, k >= 1, the others >= 0"
+            )
+        if self.k > MAX_EVAL_K:
+            raise ValueError(
+                f"eval.k = {self.k} samples per problem is over the limit of {MAX_EVAL_K} (each eval generates "
+                "k x problems completions); use e.g. eval.k=16"
             )
         if not self.temperature > 0:
             raise ValueError(f"eval.temperature = {self.temperature} must be > 0 (greedy decoding is eval.greedy)")

@@ -12,24 +12,23 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import random
 from dataclasses import dataclass, field
-from pathlib import Path
+from decimal import Decimal
 
 from miles.data.config import DataConfig, parse_specs
+from miles.data.records import BadRowError, read_records
 
 log = logging.getLogger("miles")
-
-
-class BadRowError(ValueError):
-    """A dataset row that cannot be used; the message names the file, the row and the field."""
+__all__ = ["BadRowError", "read_records"]  # re-exported: the row errors and reader of miles.data.records
 
 
 @dataclass(slots=True)
 class PromptRow:
     dataset: str
     source: str  # file (or directory) the row came from
-    row: int  # index of the row in that file (0-based; jsonl: line number - 1)
+    row: int  # index of the row in that file (0-based; jsonl: blank lines are not rows)
     prompt: str  # the prompt text (for chat rows: the last user message, for display and the reward's prompt)
     answer: str
     messages: list[dict] | None = None
@@ -47,50 +46,12 @@ class PromptRow:
         return json.dumps(self.messages) if self.messages else " ".join(self.prompt.split())
 
 
-def read_records(path: str) -> list[dict]:
-    """The raw rows of a .jsonl / .parquet file or a `datasets` directory ('dir::split' for a DatasetDict)."""
-    base, _, split = path.partition("::")
-    p = Path(base)
-    if not p.exists():
-        raise FileNotFoundError(f"dataset {path!r} does not exist")
-    if p.is_dir():
-        return _read_datasets_dir(p, split)
-    if p.suffix == ".jsonl":
-        records = []
-        for i, line in enumerate(p.read_text().splitlines()):
-            if not line.strip():
-                continue
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise BadRowError(f"{p} row {i} (line {i + 1}): not valid JSON ({e}); fix or delete the line") from None
-        return records
-    if p.suffix == ".parquet":
-        try:
-            import pyarrow.parquet as pq
-        except ImportError as e:  # pragma: no cover
-            raise ImportError("reading .parquet datasets needs pyarrow: pip install 'miles[data]'") from e
-        return pq.read_table(p).to_pylist()
-    raise ValueError(f"dataset {path!r}: unknown format {p.suffix!r}; use .jsonl, .parquet or a datasets directory")
-
-
-def _read_datasets_dir(p: Path, split: str) -> list[dict]:
-    try:
-        import datasets
-    except ImportError as e:  # pragma: no cover
-        raise ImportError("reading a save_to_disk directory needs datasets: pip install 'miles[data]'") from e
-    ds = datasets.load_from_disk(str(p))
-    if isinstance(ds, datasets.DatasetDict):
-        if split not in ds:
-            raise ValueError(f"{p} holds the splits {list(ds)}; pick one with '{p}::{next(iter(ds))}'")
-        ds = ds[split]
-    return ds.to_list()
-
-
 def load_rows(name: str, path: str, cfg: DataConfig) -> tuple[list[PromptRow], list[str]]:
     """The dataset's usable rows, and one message per skipped bad row (only when cfg.skip_bad_rows)."""
     rows, skipped = [], []
-    for i, rec in enumerate(read_records(path)):
+    records = read_records(path)
+    check_columns(name, path, records, cfg)
+    for i, rec in enumerate(records):
         try:
             rows.append(to_row(name, path, i, rec, cfg))
         except BadRowError as e:
@@ -106,7 +67,27 @@ def load_rows(name: str, path: str, cfg: DataConfig) -> tuple[list[PromptRow], l
     return rows, skipped
 
 
-def to_row(name: str, path: str, i: int, rec: dict, cfg: DataConfig) -> PromptRow:
+def check_columns(name: str, path: str, records: list, cfg: DataConfig) -> None:
+    """A column that no row has is a wrong data.*_key, not a file of bad rows: say which key to set."""
+    objects = [r for r in records if isinstance(r, dict)]
+    prompt = (
+        ("messages_key", cfg.messages_key, "chat messages")
+        if cfg.messages_key
+        else ("prompt_key", cfg.prompt_key, "prompt")
+    )
+    for setting, key, what in (prompt, ("answer_key", cfg.answer_key, "reference answer")):
+        if objects and not any(key in r for r in objects):
+            columns = sorted({c for r in objects for c in r})
+            shown = f"{columns[:20]}" + (f" and {len(columns) - 20} more" if len(columns) > 20 else "")
+            raise ValueError(
+                f"dataset {name!r} ({path}): no row has the column {key!r} (data.{setting}); its columns are {shown}: "
+                f"set data.{setting} to the column that holds the {what}"
+            )
+
+
+def to_row(name: str, path: str, i: int, rec: dict | BadRowError, cfg: DataConfig) -> PromptRow:
+    if isinstance(rec, BadRowError):  # a line read_records could not decode or parse
+        raise rec
     where = f"{path} row {i}"
     if not isinstance(rec, dict):
         raise BadRowError(f"{where}: expected an object with columns, got {type(rec).__name__}")
@@ -130,16 +111,25 @@ def to_row(name: str, path: str, i: int, rec: dict, cfg: DataConfig) -> PromptRo
             raise BadRowError(f"{where} field {cfg.prompt_key!r}: empty or not text ({prompt!r:.60})")
     if cfg.answer_key not in rec or rec[cfg.answer_key] is None:
         raise BadRowError(f"{where} field {cfg.answer_key!r}: missing (columns: {sorted(rec)})")
-    answer = rec[cfg.answer_key]
-    if isinstance(answer, float) and answer.is_integer():
-        answer = int(answer)
-    answer = str(answer).strip()
+    answer = _answer_text(rec[cfg.answer_key], f"{where} field {cfg.answer_key!r}")
     if not answer:
         raise BadRowError(f"{where} field {cfg.answer_key!r}: empty answer")
     meta = rec.get(cfg.metadata_key) if cfg.metadata_key else None
     if meta is not None and not isinstance(meta, dict):
         raise BadRowError(f"{where} field {cfg.metadata_key!r}: expected an object, got {type(meta).__name__}")
     return PromptRow(name, path, i, prompt, answer, messages, dict(meta or {}))
+
+
+def _answer_text(answer, where: str) -> str:
+    """The reference answer as text: a string, or a finite number in its usual form (2.0 -> "2")."""
+    if isinstance(answer, str):
+        return answer.strip()
+    if isinstance(answer, (int, float, Decimal)) and not isinstance(answer, bool) and math.isfinite(answer):
+        return str(int(answer) if isinstance(answer, float) and answer.is_integer() else answer)
+    raise BadRowError(
+        f"{where}: the answer must be text or a finite number, not {type(answer).__name__} {answer!r:.60}; write it "
+        'as a string (e.g. "[1, 2]") if that is the answer'
+    )
 
 
 def load_split(spec: str, cfg: DataConfig, field: str) -> dict[str, tuple[list[PromptRow], list[str]]]:
@@ -202,3 +192,32 @@ def check_data(cfg) -> None:
     train = [r for rows, _ in load_split(cfg.data.train, cfg.data, "train").values() for r in rows]
     evals = {name: rows for name, (rows, _) in load_split(cfg.data.eval, cfg.data, "eval").items()}
     check_no_overlap(train, evals)
+    if cfg.eval.max_problems:
+        evals = {name: rows[: cfg.eval.max_problems] for name, rows in evals.items()}
+    warn_repeated_eval_rows(evals)
+
+
+def warn_repeated_eval_rows(evals: dict[str, list[PromptRow]]) -> int:
+    """How many eval rows repeat the prompt of an earlier one, with one warning if any. Not refused: a public
+    benchmark file may hold repeats the user cannot change, and the figures stay well defined (each copy is one
+    more problem); but the repeated problem weighs twice in mean@k and pass@k, which the user should know."""
+    first_of: dict[str, PromptRow] = {}
+    repeats = []
+    for rows in evals.values():
+        for r in rows:
+            first = first_of.setdefault(r.key, r)
+            if first is not r:
+                repeats.append((r, first))
+    if repeats:
+        r, first = repeats[0]
+        log.warning(
+            "data.eval: %d row(s) repeat the prompt of an earlier eval row (e.g. %s row %d = %s row %d: %r); each "
+            "copy counts again in mean@k and pass@k: remove the repeats for a figure over distinct problems",
+            len(repeats),
+            r.source,
+            r.row,
+            first.source,
+            first.row,
+            r.prompt[:80],
+        )
+    return len(repeats)

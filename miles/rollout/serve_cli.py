@@ -6,6 +6,8 @@ address and the fix in one line), build the engine, guard the app (miles.http_gu
 from __future__ import annotations
 
 import argparse
+import errno
+import ipaddress
 import json
 import os
 import socket
@@ -130,6 +132,24 @@ def api_key_of(args) -> str:
     return api_key_from(args.api_key)
 
 
+def check_host(host: str) -> None:
+    """Refuse (bad input, exit 2) a --host that names no address of this machine, before anything is printed or
+    built: a throwaway bind to a free port, so a taken --port is still bind's error (the machine, exit 1)."""
+    fix = "use 127.0.0.1 (this machine only), 0.0.0.0 (every interface) or one of this machine's addresses"
+    if host.replace(".", "").isdigit():  # no host name is all digits: a malformed IPv4 address, never looked up
+        try:
+            ipaddress.IPv4Address(host)
+        except ValueError:
+            raise ValueError(f"--host {host!r} is not an IPv4 address; {fix}") from None
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+        try:
+            probe.bind((host, 0))
+        except OSError as e:
+            unknown_name = isinstance(e, socket.gaierror) and e.errno != socket.EAI_AGAIN  # EAI_AGAIN: DNS is down
+            if unknown_name or e.errno == errno.EADDRNOTAVAIL:
+                raise ValueError(f"--host {host!r} is not an address of this machine ({e.strerror}); {fix}") from None
+
+
 def bind(host: str, port: int) -> socket.socket:
     """A listening socket; an OSError whose message names the address and the fix when it cannot be had."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
@@ -150,11 +170,25 @@ def load_config(args):
     from miles.recipes import get_recipe
 
     if args.config:
-        with open(args.config) as f:
-            cfg = RunConfig.from_dict(json.load(f))
+        cfg = _config_file(args.config, RunConfig)
     else:
         cfg = get_recipe(args.recipe)
     return apply_overrides(cfg, args.set)
+
+
+def _config_file(path: str, run_config):
+    """The RunConfig in a JSON file; every error names the file."""
+    try:
+        with open(path, "rb") as f:
+            d = json.loads(f.read().decode("utf-8"))
+    except (ValueError, RecursionError) as e:  # not UTF-8, not JSON
+        raise ValueError(f"--config {path}: not a JSON RunConfig ({str(e)[:120]}); give a run's config.json") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"--config {path}: holds a JSON {type(d).__name__}, not a RunConfig object")
+    try:
+        return run_config.from_dict(d)
+    except ValueError as e:
+        raise ValueError(f"--config {path}: {e}") from None
 
 
 def _watch_parent(pid: int) -> None:
@@ -173,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     args = _parser().parse_args(argv)
+    check_host(args.host)
     cfg = load_config(args)
     try:
         api_key = api_key_of(args)

@@ -17,41 +17,73 @@ The argv of engine ``i`` (``sglang_server_flags``; the launcher module goes in f
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
 from urllib.parse import urlparse
 
 STANDIN = "miles-serve"  # rollout.sglang_launcher value: `miles serve` accepting SGLang's argv (CPU, CI)
 DEFAULT_MEM_FRACTION = "0.5"  # colocated with a trainer: half the device for weights + KV cache
 
-# The extra flags rollout.sglang_args may carry (SGLang's server_args spelling), and whether each takes a value.
-# Anything else is refused at config time: a typo would otherwise surface minutes later as a dead server.
-KNOWN_FLAGS: dict[str, bool] = {
-    "--tp-size": True,  # tensor-parallel GPUs per engine
-    "--dp-size": True,
-    "--ep-size": True,
-    "--pp-size": True,
-    "--nnodes": True,  # an engine over several nodes (GB300 trays): with --node-rank and --dist-init-addr
-    "--node-rank": True,
-    "--dist-init-addr": True,
-    "--mem-fraction-static": True,
-    "--context-length": True,
-    "--max-running-requests": True,
-    "--max-total-tokens": True,
-    "--chunked-prefill-size": True,
-    "--cuda-graph-max-bs": True,
-    "--dtype": True,
-    "--kv-cache-dtype": True,
-    "--quantization": True,
-    "--attention-backend": True,
-    "--moe-a2a-backend": True,
-    "--tokenizer-path": True,
-    "--served-model-name": True,
-    "--random-seed": True,
-    "--log-level": True,
-    "--api-key": True,
-    "--trust-remote-code": False,
-    "--enable-dp-attention": False,
-    "--disable-cuda-graph": False,
-    "--disable-radix-cache": False,
+
+def _integer(minimum: int | None = None):
+    def check(value: str) -> str:
+        try:
+            number = int(value)
+        except ValueError:
+            return f"an integer{'' if minimum is None else f' >= {minimum}'}"
+        return "" if minimum is None or number >= minimum else f"an integer >= {minimum}"
+
+    return check
+
+
+def _token_count(value: str) -> str:
+    """SGLang's human_readable_int: 4096, 128k, 1.5M, 2Gi."""
+    return "" if re.fullmatch(r"\d+(\.\d+)?(Ki|Mi|Gi|Ti|[kKmMgGtT])?", value) else "a token count (4096, 128k, 2Mi)"
+
+
+def _fraction(value: str) -> str:
+    try:
+        ok = 0 < float(value) <= 1
+    except ValueError:
+        ok = False
+    return "" if ok else "a fraction in (0, 1]"
+
+
+def _text(value: str) -> str:
+    return "" if value.strip() else "a non-empty value"
+
+
+# The extra flags rollout.sglang_args may carry (SGLang's server_args spelling) with the check of each one's value
+# ('' = fine, else what the value should be), or None for a switch. Anything else is refused at config time: a typo
+# or a value of the wrong type would otherwise surface minutes later as a dead server.
+KNOWN_FLAGS: dict[str, Callable[[str], str] | None] = {
+    "--tp-size": _integer(1),  # tensor-parallel GPUs per engine
+    "--dp-size": _integer(1),
+    "--ep-size": _integer(1),
+    "--pp-size": _integer(1),
+    "--nnodes": _integer(1),  # an engine over several nodes (GB300 trays): with --node-rank and --dist-init-addr
+    "--node-rank": _integer(0),
+    "--dist-init-addr": _text,
+    "--mem-fraction-static": _fraction,
+    "--context-length": _integer(1),
+    "--max-running-requests": _integer(1),
+    "--max-total-tokens": _token_count,
+    "--chunked-prefill-size": _integer(),  # -1 turns chunked prefill off
+    "--cuda-graph-max-bs": _integer(1),
+    "--dtype": _text,
+    "--kv-cache-dtype": _text,
+    "--quantization": _text,
+    "--attention-backend": _text,
+    "--moe-a2a-backend": _text,
+    "--tokenizer-path": _text,
+    "--served-model-name": _text,
+    "--random-seed": _integer(),
+    "--log-level": _text,
+    "--api-key": _text,
+    "--trust-remote-code": None,
+    "--enable-dp-attention": None,
+    "--disable-cuda-graph": None,
+    "--disable-radix-cache": None,
 }
 # Flags miles sets itself; in rollout.sglang_args they are refused with where they come from.
 MANAGED_FLAGS = {
@@ -67,7 +99,8 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 def parse_flags(args) -> dict[str, str | None]:
     """``["--tp-size", "2", "--disable-cuda-graph", "--dtype=bfloat16"]`` -> {flag: value or None}; raises a
-    ValueError naming unknown or managed flags and a value-taking flag without its value."""
+    ValueError naming unknown or managed flags, a value-taking flag without its value, and a value of the wrong
+    type for its flag or one that looks like a flag (``--tp-size=--trust-remote-code``)."""
     out: dict[str, str | None] = {}
     unknown, managed, items, i = [], [], list(args), 0
     while i < len(items):
@@ -88,6 +121,8 @@ def parse_flags(args) -> dict[str, str | None]:
             value, i = str(items[i]), i + 1
         elif not KNOWN_FLAGS[flag] and eq:
             raise ValueError(f"rollout.sglang_args: {flag} is a switch and takes no value; drop '={value}'")
+        if KNOWN_FLAGS[flag]:
+            _check_value(flag, value)
         out[flag] = value if KNOWN_FLAGS[flag] else None
     if unknown:
         raise ValueError(
@@ -97,6 +132,24 @@ def parse_flags(args) -> dict[str, str | None]:
     if managed:
         raise ValueError(f"rollout.sglang_args sets flag(s) miles manages: {managed}; drop them from sglang_args")
     return out
+
+
+def _check_value(flag: str, value: str) -> None:
+    if value.startswith("-") and not _is_number(value):  # -1 is a value, -x a flag to SGLang's argparse
+        raise ValueError(
+            f"rollout.sglang_args: the value of {flag} is {value!r}, which looks like a flag; give {flag} its value "
+            f"(e.g. '{flag},2') and the other flag as an item of its own"
+        )
+    if want := KNOWN_FLAGS[flag](value):
+        raise ValueError(f"rollout.sglang_args: {flag} takes {want}, got {value!r}")
+
+
+def _is_number(value: str) -> bool:
+    try:
+        float(value)
+    except ValueError:
+        return False
+    return True
 
 
 def parse_port_range(spec: str) -> list[int]:
@@ -167,6 +220,11 @@ def check_sglang(cfg) -> None:
             "rollout.engine = 'sglang' launches `sglang.launch_server --model-path <model.checkpoint>`, and "
             "model.checkpoint is empty; set model.checkpoint to a HF checkpoint directory, or attach to running "
             "servers with rollout.engine_urls"
+        )
+    if cfg.model.checkpoint.startswith("-"):
+        raise ValueError(
+            f"model.checkpoint = {cfg.model.checkpoint!r} starts with '-', so the server would read it as a flag "
+            f"after --model-path; name the directory as ./{cfg.model.checkpoint} or by its absolute path"
         )
     why = _transport_refusal(cfg, standin)
     if why:
