@@ -9,6 +9,7 @@ import io
 import json
 import os
 import shutil
+import socket
 import threading
 import time
 
@@ -79,6 +80,24 @@ def test_a_group_join_to_a_dead_address_neither_blocks_generate_nor_lets_more_jo
     first = answers[-1]
     assert first.status_code == 400 and f"127.0.0.1:{dead} within 4 s" in first.json()["message"], first.text
     assert "pending_group_join" not in httpx.get(s.url + "/health").json()
+
+
+def test_a_group_join_is_answered_within_its_stated_bound_even_from_an_address_that_never_answers(serve):
+    s = serve(group_connect_timeout_s=3)
+    silent = socket.create_server(("127.0.0.1", 0))  # accepts and never speaks: torch's store client waits forever
+    ports = {"dead": free_port(), "silent": silent.getsockname()[1]}
+    try:
+        for kind, port in ports.items():
+            body = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2}
+            t0 = time.monotonic()
+            r = httpx.post(s.url + "/init_weights_update_group", json={**body, "group_name": kind}, timeout=60)
+            took = time.monotonic() - t0
+            assert r.status_code == 400 and f"127.0.0.1:{port} within 3 s" in r.json()["message"], (kind, r.text)
+            assert took < 3 * 1.5, f"{kind}: answered after {took:.1f} s; the bound is 3 s"  # was 2.5x, or never
+            assert "pending_group_join" not in httpx.get(s.url + "/health").json()  # the next join is taken
+    finally:
+        silent.close()
+    assert httpx.post(s.url + "/generate", json=GOOD, timeout=30).status_code == 200
 
 
 def _weights(url: str) -> dict[str, torch.Tensor]:
