@@ -13,6 +13,7 @@ run_dir/
   agent_episodes.jsonl   per-episode rows of agentic rollouts
   rollouts/              per-step sample dumps (miles.dashboard.store)
   checkpoints/step_000010/{model.safetensors, optimizer.pt, state.json}   (miles.checkpoints)
+  wandb_run_id           the wandb run that log.trackers=wandb logs into (kept on a resume; miles.trackers)
   run.lock               flock'ed by the run that has the directory open; holds its pid
 """
 
@@ -28,11 +29,12 @@ from pathlib import Path
 
 from miles.atomic import atomic_write_text
 from miles.checkpoints import Checkpoints
+from miles.trackers import WANDB_RUN_ID
 
 log = logging.getLogger("miles")
 LOCK = "run.lock"
 JSONL = ("metrics.jsonl", "ledger.jsonl", "processes.jsonl", "agent_episodes.jsonl")
-OUTPUTS = ("config.json", *JSONL, "rollouts", "checkpoints", "weights", "offload")  # what a run writes
+OUTPUTS = ("config.json", *JSONL, WANDB_RUN_ID, "rollouts", "checkpoints", "weights", "offload")  # what a run writes
 CONFIG_KEYS = {"recipe", "run_dir", "model", "trainer", "rollout"}  # a config.json that miles train wrote
 
 
@@ -168,6 +170,7 @@ class RunDir:
                     "starting fresh in %s: no checkpoint to resume from, so its old %s is cleared", self.path, name
                 )
                 (self.path / name).unlink()
+        (self.path / WANDB_RUN_ID).unlink(missing_ok=True)  # a fresh start is a new tracker run
         shutil.rmtree(self.path / "rollouts", ignore_errors=True)
 
     def truncate_logs(self, next_step: int) -> None:

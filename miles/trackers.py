@@ -6,17 +6,25 @@ metric names, to TensorBoard event files (the `tensorboard` package) and to Weig
 
 
 Rows are keyed by their "step" (RL step); warm-up rows ("phase": "sft", keyed by "sft_step") are logged as
-"sft/<name>" so that their steps do not collide with the RL steps.
+"sft/<name>" so that their steps do not collide with the RL steps. One miles run is one wandb run: its id is kept in
+``run_dir/wandb_run_id`` and a resumed run logs into it again (RunDir drops the id with the logs on a fresh start).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import logging
 import numbers
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from miles.atomic import atomic_write_text
+
+log = logging.getLogger("miles")
+
 TRACKERS = ("jsonl", "tensorboard", "wandb")
+WANDB_RUN_ID = "wandb_run_id"  # in the run directory: the wandb run this miles run logs into, across resumes
 INSTALL = {
     "tensorboard": "pip install tensorboard (or 'miles[trackers]')",
     "wandb": "pip install wandb (it runs offline here: no account or network needed)",
@@ -66,10 +74,25 @@ class TensorBoardTracker:
 
 
 class WandbTracker:
+    """An offline wandb run, started at the first row: by then the run directory has chosen between a resume (the
+    id in ``wandb_run_id`` is kept, and wandb resumes that run: each start writes an ``offline-run-*-<id>``
+    directory, and ``wandb sync`` merges them into one run) and a fresh start (the id was dropped with the logs)."""
+
     def __init__(self, run_dir: Path, project: str, config: dict):
+        self.dir, self.project, self.config = run_dir, project, config
+        self.run = None
+
+    def _start(self) -> None:
         import wandb
 
-        self.run = wandb.init(project=project, dir=str(run_dir), mode="offline", config=config, reinit=True)
+        path = self.dir / WANDB_RUN_ID
+        run_id = _stored_id(path)  # None: a new run, whose id wandb picks
+        resume = {"id": run_id, "resume": "allow"} if run_id else {}
+        self.run = wandb.init(
+            project=self.project, dir=str(self.dir), mode="offline", config=self.config, reinit=True, **resume
+        )
+        if run_id is None:
+            atomic_write_text(path, self.run.id + "\n")
         # two step axes: wandb's own step only moves forward, so warm-up rows (sft_step 0, 1, ...) logged at a
         # step would merge into one and RL rows after them would be dropped; each row names its axis instead
         self.run.define_metric("rl_step")
@@ -78,11 +101,26 @@ class WandbTracker:
         self.run.define_metric("sft/*", step_metric="sft_step")
 
     def log(self, row: dict) -> None:
+        if self.run is None:
+            self._start()
         step, values = scalars(row)
         self.run.log({**values, "sft_step" if row.get("phase") == "sft" else "rl_step": step})
 
     def close(self) -> None:
-        self.run.finish()
+        if self.run is not None:
+            self.run.finish()
+
+
+def _stored_id(path: Path) -> str | None:
+    """The wandb run id kept in ``path``, or None (absent, or not an id wandb writes: then a new run is started)."""
+    try:
+        text = path.read_text().strip()
+    except FileNotFoundError:
+        return None
+    if re.fullmatch(r"[A-Za-z0-9_-]{1,64}", text):
+        return text
+    log.warning("%s holds %r, not a wandb run id; this run starts a new wandb run", path, text[:80])
+    return None
 
 
 class Trackers:

@@ -94,3 +94,43 @@ def test_wandb_offline_gets_every_warmup_and_rl_row_on_its_own_axis(tmp_path, mo
         time.sleep(0.2)
     assert [(h["sft_step"], h["sft/loss"]) for h in history if "sft/loss" in h] == [(0, 2.0), (1, 1.0), (2, 0.0)]
     assert [(h["rl_step"], h["reward"]) for h in history if "reward" in h] == [(0, 0.0), (1, 0.25), (2, 0.5)]
+
+
+def _offline_ids(run_dir) -> list[str]:
+    """The run id of each offline run directory, from its ``run-<id>.wandb`` file."""
+    return sorted(f.stem.removeprefix("run-") for f in (run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
+
+
+def test_a_resumed_run_logs_into_the_same_wandb_run_and_a_fresh_start_into_a_new_one(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = LogConfig(trackers=("jsonl", "wandb"))
+
+    def start(next_step: int, resumed: bool, steps) -> None:
+        with RunDir(tmp_path) as run, Trackers.open(cfg, run):
+            run.begin(next_step, "{}", resumed=resumed)  # what the driver does once it knows (RunDir.begin)
+            for i in steps:
+                run.append_metrics({"step": i, "reward": 0.5})
+
+    start(0, False, [0, 1])
+    start(2, True, [2, 3])  # resumed from a checkpoint at step 2 (the review's K8: a second wandb run)
+    ids = _offline_ids(tmp_path)
+    assert len(ids) == 2 and ids[0] == ids[1], ids
+    assert (tmp_path / "wandb_run_id").read_text().strip() == ids[0]
+    start(0, False, [0])  # no checkpoint: a fresh start clears the logs, and the tracker run with them
+    new = set(_offline_ids(tmp_path)) - {ids[0]}
+    assert len(new) == 1 and (tmp_path / "wandb_run_id").read_text().strip() == new.pop()
+
+
+def test_a_wandb_run_id_file_that_holds_no_id_starts_a_new_run_with_a_warning(tmp_path, monkeypatch, caplog):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    (tmp_path / "wandb_run_id").write_text("../../etc\n")
+    with (
+        RunDir(tmp_path) as run,
+        Trackers.open(LogConfig(trackers=("jsonl", "wandb")), run),
+        caplog.at_level("WARNING"),
+    ):
+        run.append_metrics({"step": 0, "reward": 0.5})
+    assert any("not a wandb run id" in m for m in caplog.messages)
+    assert len(_offline_ids(tmp_path)) == 1 and "etc" not in _offline_ids(tmp_path)[0]
