@@ -90,7 +90,7 @@ def complete(engines, samples: list[Sample], sampling: SamplingParams, seed: int
     for i, engine in enumerate(engines):
         outs += engine.generate(reqs[i * per_engine : (i + 1) * per_engine], seed=seed)
     stop = set(tokenizer.stop_token_ids)
-    for s, o in zip(samples, outs):
+    for s, o in zip(samples, outs, strict=True):
         s.response_ids, s.rollout_log_probs = o.output_ids, o.output_log_probs
         s.finish_reason, s.weight_version = o.finish_reason, o.weight_version
         s.response_text = tokenizer.decode([t for t in o.output_ids if t not in stop])

@@ -256,7 +256,7 @@ def spawn_http_engines(cfg, device: str, ledger=None) -> list:
     """The engines RolloutManager holds for ``rollout.engine = "http"``: one client, or a Router over several."""
     n = cfg.rollout.num_engines
     procs = spawn_miles_servers(cfg, n, device=device)
-    clients = [SGLangClient(p.url, ledger=ledger, process=p) for p in procs]
+    clients = [SGLangClient(p.url, ledger=ledger, process=p, vocab_size=cfg.model.vocab_size) for p in procs]
     if n == 1:
         return clients
     router = Router(clients, restart=lambda i: procs[i].restart())
@@ -269,8 +269,9 @@ def sglang_engines(cfg, device: str, ledger=None) -> list:
     ``rollout.engine_urls`` (attached: never stopped, never restarted); a Router when there are several."""
     r = cfg.rollout
     flavor = "miles" if r.sglang_launcher == STANDIN else "sglang"  # the stand-in takes miles' tensor payloads
+    vocab = cfg.model.vocab_size  # every output id is checked against it
     if r.engine_urls:
-        clients = [SGLangClient(url, flavor=flavor, ledger=None) for url in r.engine_urls]
+        clients = [SGLangClient(url, flavor=flavor, ledger=None, vocab_size=vocab) for url in r.engine_urls]
         dead = [c.url for c in clients if not c.healthy(timeout_s=5.0)]
         if dead:
             for c in clients:
@@ -282,7 +283,7 @@ def sglang_engines(cfg, device: str, ledger=None) -> list:
         restart = None
     else:
         procs = spawn_sglang_servers(cfg, device=device)
-        clients = [SGLangClient(p.url, flavor=flavor, ledger=ledger, process=p) for p in procs]
+        clients = [SGLangClient(p.url, flavor=flavor, ledger=ledger, process=p, vocab_size=vocab) for p in procs]
         restart = lambda i: procs[i].restart()  # noqa: E731
     if len(clients) == 1:
         return clients

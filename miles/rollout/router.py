@@ -336,6 +336,7 @@ class Router:
                 ledger=old.ledger,
                 process=old.process,
                 api_key=old.api_key,
+                vocab_size=old.vocab_size,
             )
             old.http.close()
             peers = [j for j in self.live() if j != i]

@@ -36,6 +36,7 @@ def generate_body(requests: list[GenerateRequest], seed: int | None = None) -> d
             "max_new_tokens": s.max_new_tokens,
             "temperature": s.temperature,
             "top_p": s.top_p,
+            "top_k": s.top_k or -1,  # SGLang: -1 = the whole vocabulary (0 is a 400 there)
             "stop_token_ids": list(s.stop_token_ids),
         }
         if seed is not None:
@@ -120,6 +121,7 @@ def _sampling(sp, i: int, vocab_size: int = 0) -> tuple[SamplingParams, int | No
             raise WireError(f"request {i}: sampling_params.{name} = {v!r} must be an integer")
         kw[name] = tp(v)
     _check_ranges(kw, i)
+    kw["top_k"] = _top_k(sp.get("top_k"), i)
     stop = sp.get("stop_token_ids") or ()
     if not isinstance(stop, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in stop):
         raise WireError(f"request {i}: sampling_params.stop_token_ids = {str(stop)[:60]} must be a list of integers")
@@ -130,6 +132,15 @@ def _sampling(sp, i: int, vocab_size: int = 0) -> tuple[SamplingParams, int | No
     ):
         raise WireError(f"request {i}: sampling_params.sampling_seed = {seed!r} must be a 64-bit integer")
     return SamplingParams(**kw, stop_token_ids=tuple(stop)), seed
+
+
+def _top_k(k, i: int) -> int:
+    """SGLang's top_k: -1 (or absent) = the whole vocabulary, else at least 1; miles' engine counts 0 as no cut."""
+    if k is None or k == -1:
+        return 0
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise WireError(f"request {i}: sampling_params.top_k = {k!r} must be -1 (disable) or an integer >= 1")
+    return k
 
 
 def _check_ranges(kw: dict, i: int) -> None:
@@ -171,32 +182,6 @@ def output_json(o: GenerateOutput, prompt_len: int, return_logprob: bool) -> dic
     if return_logprob:
         meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(o.output_log_probs, o.output_ids)]
     return {"text": "", "output_ids": o.output_ids, "meta_info": meta}
-
-
-def parse_output(d: dict) -> GenerateOutput:
-    """A GenerateOutput from one response object (miles serve or real SGLang)."""
-    meta = d["meta_info"]
-    reason = meta.get("finish_reason") or {"type": "abort"}
-    kind = reason.get("type", "abort") if isinstance(reason, dict) else str(reason)
-    lps = meta.get("output_token_logprobs") or []
-    ids = d.get("output_ids")
-    if ids is None:
-        ids = [t for _, t, *_ in lps]
-    return GenerateOutput(
-        rid=str(meta.get("id", "")),
-        output_ids=list(ids),
-        output_log_probs=[float(x[0]) for x in lps],
-        finish_reason=kind if kind in ("stop", "length") else "abort",
-        weight_version=as_version(meta.get("weight_version")),
-    )
-
-
-def as_version(v) -> int:
-    """SGLang reports weight_version as a string ('default' before any update); miles counts integers."""
-    try:
-        return int(v)
-    except (TypeError, ValueError):
-        return 0
 
 
 # ---- control bodies ------------------------------------------------------------------------------------------

@@ -79,7 +79,7 @@ class TaskSource:
             outs += engine.generate(reqs[i * per_engine : (i + 1) * per_engine], seed=self.cfg.seed * 100_003 + step)
         t_gen = time.perf_counter() - t0
         stop = set(self.tokenizer.stop_token_ids)
-        for s, o in zip(samples, outs):
+        for s, o in zip(samples, outs, strict=True):
             s.response_ids, s.rollout_log_probs = o.output_ids, o.output_log_probs
             s.finish_reason, s.weight_version = o.finish_reason, o.weight_version
             s.response_text = self.tokenizer.decode([t for t in o.output_ids if t not in stop])

@@ -118,4 +118,4 @@ def test_a_client_counts_a_real_sglang_servers_tp_workers_and_one_rank_for_miles
     client = SGLangClient("http://127.0.0.1:1", flavor=flavor)
     client.http = httpx.Client(base_url=client.url, transport=httpx.MockTransport(answer))
     assert client.group_ranks() == ranks
-    assert asked == (["/get_server_info"] if flavor == "sglang" else [])
+    assert asked == (["/server_info"] if flavor == "sglang" else [])  # SGLang 0.5.10: /get_server_info deprecated
