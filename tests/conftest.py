@@ -23,6 +23,7 @@ from miles.recipes import quickstart
 
 PROCS = {  # test files that start Ray, child processes, process groups or HTTP servers
     "agents/test_agent_abort.py",
+    "agents/test_agent_guard.py",
     "agents/test_agent_harness.py",
     "agents/test_agent_http_engine.py",
     "agents/test_agent_recipe.py",

@@ -42,6 +42,7 @@ def measure(procs, args: argparse.Namespace, *, step: int, mode: str) -> dict:
     rollout = AgentRollout(
         cfg,
         harness_url=procs.harness_url,
+        token=procs.token,
         num_groups=args.groups,
         group_size=args.group_size,
         seed=1,

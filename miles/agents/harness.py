@@ -9,7 +9,12 @@ sandboxes before it returns. Every wait is bounded; a malformed call costs a tur
 A sandbox is a directory, not an isolation boundary: the model's edits run as this user's Python. Run the
 harness in a container or VM when the policy is not trusted.
 
-    python -m miles.agents.harness --port 8090
+Who may drive it: the session servers ("the model") are fixed when the harness starts (``--instance ID=URL``); a
+request names an instance by id and can never point the harness at a server of its choosing. Every request but
+/health needs the run token (miles.agents.run_token), and the HTTP guard refuses foreign Host headers, cross-site
+requests and non-JSON bodies (miles.http_guard). An ``episode_id`` is a name, never a path (miles.agents.sandbox).
+
+    MILES_AGENT_TOKEN=... python -m miles.agents.harness --port 8090 --instance agent-8100=http://127.0.0.1:8100
     POST /episodes {"episodes": [EpisodeSpec fields]}   GET /results?cursor=0&wait_s=2 (long poll)
     POST /flush {"instance_id": "agent-8100"}           GET /episodes  GET /sandboxes  GET /health
 """
@@ -20,7 +25,6 @@ import argparse
 import asyncio
 import json
 import os
-import shutil
 import signal
 import sys
 import tempfile
@@ -30,8 +34,12 @@ from pathlib import Path
 
 from fastapi import Body, FastAPI, HTTPException
 
+from miles.agents.run_token import KEY_HINT, server_token, token_headers
+from miles.agents.sandbox import Sandboxes, check_episode_id
 from miles.agents.swe_tasks import RepoTask, make_task
 from miles.agents.tool_calls import format_tool_call
+from miles.http_connections import guarded_protocol
+from miles.http_guard import HttpGuard, allowed_hosts
 
 SYSTEM = (
     "You fix bugs in a small repository. Call one tool per turn by writing <tool> then a JSON object, e.g. "
@@ -48,8 +56,7 @@ class EpisodeSpec:
     step: int = -1  # the rollout step; a session server refuses opens for a step of that rollout it has flushed
     group: int = 0  # prompt group within the rollout step
     task_seed: int = 0
-    instance_id: str  # the session-server instance this episode talks to (flush key)
-    session_url: str  # that instance's base URL, e.g. http://127.0.0.1:8100
+    instance_id: str  # the session-server instance this episode talks to (one the harness was started with)
     max_turns: int = 4
     max_tokens: int = 48
     temperature: float = 1.0
@@ -59,11 +66,20 @@ class EpisodeSpec:
 
     @classmethod
     def parse(cls, d: dict) -> "EpisodeSpec":
+        if not isinstance(d, dict):
+            raise ValueError(f"an episode is a JSON object of EpisodeSpec fields, not {str(d)[:80]!r}")
+        if "session_url" in d:
+            raise ValueError(
+                "session_url is not accepted: the harness talks only to the session servers it was started with "
+                "(--instance ID=URL); name one by instance_id"
+            )
         names = {f.name for f in fields(cls)}
         unknown = set(d) - names
         if unknown:
             raise ValueError(f"unknown episode field(s) {sorted(unknown)}; valid: {sorted(names)}")
-        return cls(**d)
+        spec = cls(**d)
+        check_episode_id(spec.episode_id)
+        return spec
 
 
 class Aborted(Exception):
@@ -73,15 +89,20 @@ class Aborted(Exception):
 class Harness:
     """Runs episodes as asyncio tasks in one event loop (the server's).
 
-    harness = Harness(root="/tmp/miles-harness")
+    harness = Harness("/tmp/miles-harness", instances={"agent-8100": "http://127.0.0.1:8100"}, token=token)
     harness.start([EpisodeSpec(...), ...])            # returns at once
     results, cursor = await harness.results(0, wait_s=2.0)
     await harness.flush("agent-8100")                 # cancels that instance's episodes, removes their sandboxes
+    harness.close()                                   # at exit: removes what it created, nothing else
     """
 
-    def __init__(self, root: str | os.PathLike | None = None):
+    def __init__(self, root: str | os.PathLike | None = None, *, instances: dict[str, str], token: str):
+        self.owns_root = not root or not Path(root).exists()
         self.root = Path(root or tempfile.mkdtemp(prefix="miles-harness-"))
         self.root.mkdir(parents=True, exist_ok=True)
+        self.boxes = Sandboxes(self.root)
+        self.instances = {iid: url.rstrip("/") for iid, url in instances.items()}  # the only servers it talks to
+        self.token = token
         self.tasks: dict[str, asyncio.Task] = {}
         self.specs: dict[str, EpisodeSpec] = {}
         self.phase: dict[str, str] = {}
@@ -96,13 +117,24 @@ class Harness:
         import httpx
 
         if self._client is None:
-            self._client = httpx.AsyncClient(timeout=httpx.Timeout(300.0, connect=5.0))
+            self._client = httpx.AsyncClient(
+                timeout=httpx.Timeout(300.0, connect=5.0), headers=token_headers(self.token)
+            )
         return self._client
 
     def start(self, specs: list[EpisodeSpec]) -> list[str]:
-        dup = [s.episode_id for s in specs if s.episode_id in self.tasks]
+        ids = [s.episode_id for s in specs]
+        dup = [e for e in ids if e in self.tasks] + [e for i, e in enumerate(ids) if e in ids[:i]]
         if dup:
-            raise ValueError(f"episode id(s) {dup[:5]} are already running; use fresh ids")
+            raise ValueError(f"episode id(s) {dup[:5]} are already running or repeated; use fresh ids")
+        for s in specs:
+            self.boxes.path(s.episode_id)  # a name whose sandbox would fall outside the root is refused here
+        unknown = sorted({s.instance_id for s in specs} - set(self.instances))
+        if unknown:
+            raise ValueError(
+                f"instance_id(s) {unknown[:5]} are not instances of this harness ({sorted(self.instances)}); "
+                "start it with --instance ID=URL for each session server"
+            )
         for s in specs:
             self.specs[s.episode_id] = s
             self.tasks[s.episode_id] = asyncio.get_running_loop().create_task(self._episode(s))
@@ -142,7 +174,19 @@ class Harness:
         }
 
     def sandboxes(self) -> list[str]:
-        return sorted(p.name for p in self.root.iterdir()) if self.root.exists() else []
+        return self.boxes.names()
+
+    def close(self) -> None:
+        """Kill the tests still running and remove the sandboxes this harness created (and its root, if it made it
+        and it is empty); nothing else is touched."""
+        for eid in list(self.procs):
+            self._kill(eid)
+        self.boxes.remove_all()
+        if self.owns_root:
+            try:
+                self.root.rmdir()
+            except OSError:
+                pass
 
     # ---- one episode ----------------------------------------------------------------------------------------
     async def _episode(self, spec: EpisodeSpec) -> None:
@@ -161,10 +205,10 @@ class Harness:
             "transcript": [],
             "record": None,
         }
-        box = self.root / spec.episode_id
+        box = None
         try:
             task = make_task(spec.task_seed).with_slow_test(spec.slow_s)
-            _write_repo(box, task)
+            box = self.boxes.create(spec.episode_id, task.files)
             async with asyncio.timeout(spec.timeout_s):
                 await self._converse(spec, task, box, out)
                 self.phase[spec.episode_id] = "final_test"
@@ -187,9 +231,9 @@ class Harness:
             out.update(status="error", reward=0.0, error=f"{type(e).__name__}: {e}")
         self._finish(spec, box, out, t0)
 
-    def _finish(self, spec: EpisodeSpec, box: Path, out: dict, t0: float) -> None:
+    def _finish(self, spec: EpisodeSpec, box: Path | None, out: dict, t0: float) -> None:
         self._kill(spec.episode_id)
-        shutil.rmtree(box, ignore_errors=True)
+        self.boxes.remove(box)
         out["seconds"] = time.perf_counter() - t0
         self.tasks.pop(spec.episode_id, None)
         self.specs.pop(spec.episode_id, None)
@@ -201,7 +245,7 @@ class Harness:
         self._new_result.set()
 
     async def _converse(self, spec: EpisodeSpec, task: RepoTask, box: Path, out: dict) -> None:
-        url = spec.session_url.rstrip("/")
+        url = self.instances[spec.instance_id]
         sid = (
             await self._post(
                 f"{url}/sessions",
@@ -322,12 +366,6 @@ class Harness:
                 pass
 
 
-def _write_repo(box: Path, task: RepoTask) -> None:
-    box.mkdir(parents=True)
-    for rel, text in task.files.items():
-        (box / rel).write_text(text)
-
-
 def _inside(box: Path, rel) -> Path:
     path = (box / str(rel)).resolve()
     if box.resolve() not in path.parents:
@@ -335,13 +373,21 @@ def _inside(box: Path, rel) -> Path:
     return path
 
 
-def create_app(harness: Harness) -> FastAPI:
+def create_app(harness: Harness, *, host: str = "127.0.0.1") -> FastAPI:
+    """The harness's HTTP surface behind the guard: the run token on every path but /health, Host names of
+    loopback and ``host`` (the bound address)."""
+    if not harness.token:
+        raise ValueError("the harness needs a run token (miles.agents.run_token.new_token()); it never serves without")
     app = FastAPI(title="miles agent harness")
+    app.add_middleware(HttpGuard, api_key=harness.token, allowed_hosts=allowed_hosts(host), key_hint=KEY_HINT)
 
     @app.post("/episodes")
     async def start(body: dict = Body(...)):
         try:
-            specs = [EpisodeSpec.parse(d) for d in body.get("episodes", [])]
+            episodes = body.get("episodes", [])
+            if not isinstance(episodes, list):
+                raise ValueError(f"'episodes' must be a list of episode objects, not {type(episodes).__name__}")
+            specs = [EpisodeSpec.parse(d) for d in episodes]
             return {"started": harness.start(specs)}
         except (TypeError, ValueError) as e:
             raise HTTPException(400, f"bad episode spec: {e}") from None
@@ -383,15 +429,39 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--root", default="", help="directory for sandboxes (default: a fresh temp dir)")
-    p.add_argument("--parent-pid", type=int, default=0, help="exit (removing every sandbox) when this process is gone")
+    p.add_argument("--parent-pid", type=int, default=0, help="exit (removing its sandboxes) when this process is gone")
+    p.add_argument(
+        "--instance",
+        action="append",
+        default=[],
+        metavar="ID=URL",
+        help="a session server episodes may talk to, e.g. agent-8100=http://127.0.0.1:8100 (repeat per instance)",
+    )
+    p.add_argument(
+        "--token-file",
+        default="",
+        help="file (mode 600) holding the run token; default $MILES_AGENT_TOKEN, else a fresh one (path printed)",
+    )
     a = p.parse_args(argv)
-    harness = Harness(a.root or None)
+    instances = _instances(p, a.instance)
+    harness = Harness(a.root or None, instances=instances, token=server_token("miles harness", a.token_file))
     if a.parent_pid:
         import threading
 
         threading.Thread(target=_exit_with_parent, args=(a.parent_pid, harness), daemon=True).start()
-    uvicorn.run(create_app(harness), host=a.host, port=a.port, log_level="warning")
+    app = create_app(harness, host=a.host)
+    uvicorn.run(app, host=a.host, port=a.port, log_level="warning", http=guarded_protocol())
     return 0
+
+
+def _instances(p: argparse.ArgumentParser, pairs: list[str]) -> dict[str, str]:
+    out = {}
+    for pair in pairs:
+        iid, sep, url = pair.partition("=")
+        if not sep or not iid or not url.startswith(("http://", "https://")):
+            p.error(f"--instance {pair!r} should be ID=URL, e.g. agent-8100=http://127.0.0.1:8100")
+        out[iid] = url
+    return out
 
 
 def _exit_with_parent(pid: int, harness: Harness) -> None:
@@ -401,9 +471,7 @@ def _exit_with_parent(pid: int, harness: Harness) -> None:
         try:
             os.kill(pid, 0)
         except ProcessLookupError:
-            for eid in list(harness.procs):
-                harness._kill(eid)
-            shutil.rmtree(harness.root, ignore_errors=True)
+            harness.close()
             os._exit(0)
 
 

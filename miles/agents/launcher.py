@@ -1,9 +1,11 @@
 """Starting the agent side: session-server processes on a port range, a harness process, or a server in a thread.
 
 Each process logs to a file; a process that does not answer ``/health`` in time is reported with its log tail.
+One random run token (miles.agents.run_token) guards all of them; it reaches the children in their environment,
+never their argv, and miles' clients send it (``procs.headers``).
 
     procs = AgentProcesses.start(ports=[8100, 8101], harness_port=8090, model_json=cfg_json, max_seq_len=1024)
-    ...                                  # procs.session_urls, procs.harness_url
+    ...                                  # procs.session_urls, procs.harness_url, procs.token
     procs.stop()
 """
 
@@ -19,6 +21,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from miles.agents.run_token import TOKEN_ENV, new_token, token_headers
+from miles.http_connections import guarded_protocol
 from miles.ports import free_ports
 
 
@@ -54,9 +58,11 @@ def wait_ready(url: str, timeout_s: float, proc: subprocess.Popen | None = None,
 
 @dataclass
 class AgentProcesses:
-    """Session-server processes (one per port, instance id ``agent-<port>``) and optionally a harness process."""
+    """Session-server processes (one per port, instance id ``agent-<port>``) and optionally a harness process, whose
+    instances are those session servers plus ``instances`` (id -> URL: servers started elsewhere, e.g. threads)."""
 
     host: str = "127.0.0.1"
+    token: str = field(default_factory=new_token)
     ports: list[int] = field(default_factory=list)
     procs: list[subprocess.Popen] = field(default_factory=list)  # a contiguous range is one forking parent
     pids: dict[int, int] = field(default_factory=dict)  # port -> the pid serving it (read from /health)
@@ -77,8 +83,10 @@ class AgentProcesses:
         host: str = "127.0.0.1",
         timeout_s: float = 60.0,
         device: str = "cpu",
+        token: str = "",
+        instances: dict[str, str] | None = None,
     ) -> "AgentProcesses":
-        procs = cls(host=host, ports=list(ports))
+        procs = cls(host=host, ports=list(ports), **({"token": token} if token else {}))
         owner: dict[int, subprocess.Popen] = {}
         try:
             for lo, hi in _runs(ports):
@@ -103,6 +111,7 @@ class AgentProcesses:
                 procs.procs.append(proc)
                 owner |= {port: proc for port in range(lo, hi + 1)}
             if harness_port:
+                known = {f"agent-{port}": url for port, url in procs.session_urls.items()} | (instances or {})
                 procs.harness = procs._spawn(
                     "harness",
                     "miles.agents.harness",
@@ -114,6 +123,7 @@ class AgentProcesses:
                     str(procs.log_dir / "sandboxes"),
                     "--parent-pid",
                     str(os.getpid()),
+                    *[f"--instance={iid}={url}" for iid, url in known.items()],
                 )
                 procs.harness_url = f"http://{host}:{harness_port}"
             for port in ports:
@@ -127,11 +137,16 @@ class AgentProcesses:
         return procs
 
     def _spawn(self, name: str, module: str, *args: str) -> subprocess.Popen:
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", TOKEN_ENV: self.token}
         log = open(self.log_dir / f"{name}.log", "wb")
         return subprocess.Popen(
             [sys.executable, "-m", module, *args], stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """What a client of these servers sends (the run token)."""
+        return token_headers(self.token)
 
     @property
     def session_urls(self) -> dict[int, str]:
@@ -196,7 +211,8 @@ class ThreadServer:
         import uvicorn
 
         self.url = f"http://{host}:{port}"
-        self._server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+        config = uvicorn.Config(app, host=host, port=port, log_level="warning", http=guarded_protocol())
+        self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, name=f"uvicorn-{port}", daemon=True)
 
     def start(self, timeout_s: float = 30.0) -> "ThreadServer":

@@ -5,7 +5,8 @@ requests aborted, its sessions dropped) and the harness cancels that instance's 
 sandboxes. The instances are the plural map port -> instance id from ``AgentConfig.instances``; they are
 flushed concurrently, each with a timeout and bounded retries, and one that fails does not stop the others:
 it is reported in the step's metrics. Aborted groups go back to a buffer (rolled out first next step) or are
-dropped, per ``AgentConfig.abort_partial``.
+dropped, per ``AgentConfig.abort_partial``. Every call to the harness and the instances carries the run token
+(miles.agents.run_token); an episode names its instance by id, and the harness knows the instances' URLs.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 
 import httpx
 
+from miles.agents.run_token import token_headers
 from miles.config import AgentConfig
 
 
@@ -57,7 +59,7 @@ class _Group:
 class AgentRollout:
     """One rollout step over a harness and N session-server instances.
 
-    rollout = AgentRollout(cfg.agents, harness_url="http://127.0.0.1:8090", num_groups=4, group_size=2)
+    rollout = AgentRollout(cfg.agents, harness_url="http://127.0.0.1:8090", token=token, num_groups=4, group_size=2)
     step = rollout.collect(step=0)          # step.groups: num_groups complete groups; step.metrics: flush results
     rollout.buffer                          # task seeds of aborted groups, rolled out first next step
     """
@@ -67,6 +69,7 @@ class AgentRollout:
         cfg: AgentConfig,
         *,
         harness_url: str,
+        token: str,
         num_groups: int,
         group_size: int,
         temperature: float = 1.0,
@@ -84,7 +87,8 @@ class AgentRollout:
         self.num_groups, self.group_size, self.temperature, self.seed = num_groups, group_size, temperature, seed
         self._flush = flush
         self.buffer: list[int] = []  # task seeds of aborted groups
-        self._client = httpx.Client(timeout=httpx.Timeout(10.0, connect=2.0))
+        self.headers = token_headers(token)
+        self._client = httpx.Client(timeout=httpx.Timeout(10.0, connect=2.0), headers=self.headers)
         self.rollout_id = uuid.uuid4().hex[:12]  # names this rollout's sessions on every instance (flush fences)
         self._cursor = self._harness_cursor()
 
@@ -146,7 +150,6 @@ class AgentRollout:
                         "group": gid,
                         "task_seed": task_seed,
                         "instance_id": self.instances[port],
-                        "session_url": self.session_url(port),
                         "max_turns": self.cfg.max_turns,
                         "max_tokens": self.cfg.max_tokens_per_turn,
                         "temperature": self.temperature,
@@ -239,7 +242,7 @@ class AgentRollout:
         res = FlushResult(instance_id=instance_id, port=port)
         t0 = time.perf_counter()
         timeout = self.cfg.flush_timeout_s
-        with httpx.Client(timeout=httpx.Timeout(timeout, connect=min(timeout, 2.0))) as client:
+        with httpx.Client(timeout=httpx.Timeout(timeout, connect=min(timeout, 2.0)), headers=self.headers) as client:
             for attempt in range(1 + self.cfg.flush_retries):
                 res.attempts = attempt + 1
                 errors = []

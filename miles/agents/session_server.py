@@ -7,7 +7,11 @@ engine returned, and only ever appends: a new request must repeat the session's 
 messages are templated (token-in, token-out). One server process is one *instance* with an instance id; a
 flush aborts every session of that instance at once.
 
-    python -m miles.agents.session_server --port 8100 --instance-id agent-8100 --engine embedded --model-json '{...}'
+Only the run that started it may drive it: every request but /health needs the run token (miles.agents.run_token),
+and the HTTP guard refuses foreign Host headers, cross-site requests and non-JSON bodies (miles.http_guard).
+Otherwise any local process could read transcripts, fill the session cap, or flush a live rollout's steps.
+
+    MILES_AGENT_TOKEN=... python -m miles.agents.session_server --port 8100 --engine embedded --model-json '{...}'
     POST /sessions -> {"session_id"}                 POST /sessions/{sid}/v1/chat/completions (OpenAI body)
     GET /sessions/{sid} -> tokens, log-probs, mask   DELETE /sessions/{sid}
     POST /flush -> aborts every session here         GET /health
@@ -29,7 +33,10 @@ from fastapi import Body, FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from miles.agents.policy import Policy
+from miles.agents.run_token import KEY_HINT, server_token
 from miles.agents.tool_calls import parse_tool_calls
+from miles.http_connections import guarded_protocol
+from miles.http_guard import HttpGuard, allowed_hosts
 from miles.rollout.engine import EngineError, SamplingParams
 
 
@@ -319,8 +326,15 @@ def _check_messages(messages) -> list[dict]:
     return messages
 
 
-def create_app(server: SessionServer) -> FastAPI:
+def create_app(server: SessionServer, *, token: str, host: str = "127.0.0.1") -> FastAPI:
+    """The instance's HTTP surface behind the guard: ``token`` on every path but /health, Host names of loopback
+    and ``host`` (the bound address)."""
+    if not token:
+        raise ValueError(
+            "a session server needs a run token (miles.agents.run_token.new_token()); it never serves without"
+        )
     app = FastAPI(title=f"miles session server {server.instance_id}")
+    app.add_middleware(HttpGuard, api_key=token, allowed_hosts=allowed_hosts(host), key_hint=KEY_HINT)
 
     @app.exception_handler(SessionError)
     async def _error(request: Request, e: SessionError):
@@ -391,8 +405,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-batch-size", type=int, default=16)
     p.add_argument("--threads", type=int, default=1, help="torch threads (embedded engine)")
     p.add_argument("--device", default="cpu", help="embedded engine device (cuda: each instance builds its own)")
+    p.add_argument(
+        "--token-file",
+        default="",
+        help="file (mode 600) holding the run token; default $MILES_AGENT_TOKEN, else a fresh one (path printed)",
+    )
     a = p.parse_args(argv)
     ports = parse_ports(a.port)
+    a.token = server_token("miles session server", a.token_file)  # read once, before any fork
     torch.set_num_threads(a.threads)
     engine = None
     if a.engine == "embedded" and a.device == "cpu":  # built once, before the fork: children share it copy-on-write
@@ -427,7 +447,8 @@ def _serve(a, port: int, instance_id: str, engine) -> int:
         engine = _engine(a)
     policy = make_policy(a.engine, engine)  # threads start here, after any fork
     server = SessionServer(policy, load_tokenizer(a.tokenizer), instance_id=instance_id)
-    uvicorn.run(create_app(server), host=a.host, port=port, log_level="warning")
+    app = create_app(server, token=a.token, host=a.host)
+    uvicorn.run(app, host=a.host, port=port, log_level="warning", http=guarded_protocol())
     return 0
 
 

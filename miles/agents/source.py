@@ -24,6 +24,7 @@ from pathlib import Path
 from miles.agents.launcher import AgentProcesses, ThreadServer, free_port_range
 from miles.agents.policy import EmbeddedPolicy, HttpPolicy
 from miles.agents.rollout import AgentRollout
+from miles.agents.run_token import TOKEN_ENV, new_token
 from miles.agents.session_server import SessionServer, create_app
 from miles.config import RunConfig
 from miles.rollout.engine import EmbeddedEngine
@@ -46,18 +47,23 @@ class AgentSource:
         a, r = self.cfg.agents, self.cfg.rollout
         if not a.instances:
             raise ValueError("task.name = 'swe' needs agents.session_ports, e.g. agents.session_ports=8100-8101")
+        token = run_token(a.harness_url, a.session_ports)
         self.policies = [policy_for(self.engines[i % len(self.engines)]) for i in range(len(a.instances))]
         try:
             for (port, iid), policy in zip(a.instances.items(), self.policies):
-                app = create_app(SessionServer(policy, self.tok, instance_id=iid))
+                app = create_app(SessionServer(policy, self.tok, instance_id=iid), token=token, host=a.session_host)
                 self.servers.append(ThreadServer(app, port=port, host=a.session_host).start())
             url = a.harness_url
             if not url:
-                self.harness = AgentProcesses.start(ports=[], harness_port=free_port_range(1))
+                instances = {iid: f"http://{a.session_host}:{port}" for port, iid in a.instances.items()}
+                self.harness = AgentProcesses.start(
+                    ports=[], harness_port=free_port_range(1), token=token, instances=instances
+                )
                 url = self.harness.harness_url
             self.rollout = AgentRollout(
                 a,
                 harness_url=url,
+                token=token,
                 num_groups=r.num_prompts_per_step,
                 group_size=r.n_samples_per_prompt,
                 temperature=r.temperature,
@@ -96,6 +102,19 @@ class AgentSource:
             p.close()
         if self.harness is not None:
             self.harness.stop()
+
+
+def run_token(harness_url: str, session_ports: str) -> str:
+    """The run's agent token: ``$MILES_AGENT_TOKEN`` when set, else a fresh one. A harness started outside the run
+    (``agents.harness_url``) must have been given the same token, so there the variable is required."""
+    token = os.environ.get(TOKEN_ENV, "")
+    if harness_url and not token:
+        raise ValueError(
+            f"agents.harness_url = {harness_url!r} is a harness started outside this run: set ${TOKEN_ENV} to the "
+            "token it was started with (its --token-file, or the file it printed), and start it with "
+            f"--instance agent-PORT=http://HOST:PORT for each port of agents.session_ports = {session_ports!r}"
+        )
+    return token or new_token()
 
 
 def policy_for(engine):

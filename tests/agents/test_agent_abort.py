@@ -57,8 +57,8 @@ def _cfg(spec: str, **kw) -> AgentConfig:
 
 def _assert_nothing_left(procs, ports):
     h = procs.harness_url
-    assert httpx.get(f"{h}/episodes").json() == {}, "an episode is still running on the harness"
-    assert httpx.get(f"{h}/sandboxes").json()["sandboxes"] == [], "a sandbox was left behind"
+    assert httpx.get(f"{h}/episodes", headers=procs.headers).json() == {}, "an episode is still running on the harness"
+    assert httpx.get(f"{h}/sandboxes", headers=procs.headers).json()["sandboxes"] == [], "a sandbox was left behind"
     for port in ports:
         health = httpx.get(f"http://127.0.0.1:{port}/health").json()
         assert (health["running"], health["sessions"]) == (0, 0), f"instance on port {port}: {health}"
@@ -74,7 +74,7 @@ def test_one_port_and_a_port_range_give_the_plural_instance_map():
     with pytest.raises(ValueError, match="need 1 <= first <= last <= 65535"):
         AgentConfig(session_ports="8103-8100")
     with pytest.raises(ValueError, match="agents.session_ports is empty"):
-        AgentRollout(AgentConfig(), harness_url="http://127.0.0.1:1", num_groups=1, group_size=1)
+        AgentRollout(AgentConfig(), harness_url="http://127.0.0.1:1", token="t", num_groups=1, group_size=1)
 
 
 @pytest.mark.timeout(60)
@@ -82,7 +82,9 @@ def test_one_port_and_a_port_range_give_the_plural_instance_map():
 def test_after_an_abort_no_episode_runs_on_any_instance_and_no_sandbox_is_left(procs, num_instances):
     ports = [procs.base + i for i in range(num_instances)]
     spec = str(ports[0]) if num_instances == 1 else f"{ports[0]}-{ports[-1]}"
-    rollout = AgentRollout(_cfg(spec), harness_url=procs.harness_url, num_groups=2, group_size=2, seed=num_instances)
+    rollout = AgentRollout(
+        _cfg(spec), harness_url=procs.harness_url, token=procs.token, num_groups=2, group_size=2, seed=num_instances
+    )
     step = rollout.collect(step=0)
     m = step.metrics
     assert len(step.groups) == 2 and all(len(g) == 2 for g in step.groups)
@@ -99,7 +101,9 @@ def test_the_flush_of_a_hung_instance_fails_alone_and_the_others_are_flushed_wit
     procs.signal_instance(ports[-1], signal.SIGSTOP)
     try:
         cfg = _cfg(f"{ports[0]}-{ports[-1]}", flush_timeout_s=1.0, flush_retries=1)
-        rollout = AgentRollout(cfg, harness_url=procs.harness_url, num_groups=2, group_size=2, seed=5)
+        rollout = AgentRollout(
+            cfg, harness_url=procs.harness_url, token=procs.token, num_groups=2, group_size=2, seed=5
+        )
         step = rollout.collect(step=0)
     finally:
         procs.signal_instance(ports[-1], signal.SIGCONT)
@@ -115,9 +119,12 @@ def test_the_flush_of_a_hung_instance_fails_alone_and_the_others_are_flushed_wit
 @pytest.mark.timeout(60)
 def test_a_harness_that_crashes_mid_episode_gives_zero_reward_samples_and_a_reported_error(procs):
     ports = [procs.base, procs.base + 1]
-    with AgentProcesses.start(ports=[], harness_port=procs.base + 5) as crashing:
+    instances = {f"agent-{p}": url for p, url in procs.session_urls.items()}
+    with AgentProcesses.start(
+        ports=[], harness_port=procs.base + 5, token=procs.token, instances=instances
+    ) as crashing:
         cfg = _cfg(f"{ports[0]}-{ports[1]}", slow_test_fraction=1.0, slow_test_s=5.0)
-        rollout = AgentRollout(cfg, harness_url=crashing.harness_url, num_groups=2, group_size=2)
+        rollout = AgentRollout(cfg, harness_url=crashing.harness_url, token=procs.token, num_groups=2, group_size=2)
         threading.Timer(1.0, crashing.kill_harness).start()
         t0 = time.monotonic()
         step = rollout.collect(step=0)
@@ -127,3 +134,13 @@ def test_a_harness_that_crashes_mid_episode_gives_zero_reward_samples_and_a_repo
     assert step.metrics["flush/failed"] == 2 and "harness" in step.flush[0].error
     for port in ports:  # the session side was still flushed
         assert httpx.get(f"http://127.0.0.1:{port}/health").json()["sessions"] == 0
+
+
+def test_the_launcher_hands_its_token_to_every_process_outside_argv_and_they_require_it(procs):
+    pids = [p.pid for p in procs.procs] + [procs.harness.pid]
+    for pid in pids:
+        argv = open(f"/proc/{pid}/cmdline", "rb").read().decode()
+        assert procs.token not in argv and len(procs.token) >= 40, argv
+    urls = [procs.harness_url + "/episodes"] + [f"{url}/v1/models" for url in procs.session_urls.values()]
+    for url in urls:
+        assert httpx.get(url).status_code == 401 and httpx.get(url, headers=procs.headers).status_code == 200, url

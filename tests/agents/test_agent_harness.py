@@ -11,6 +11,7 @@ from miles.agents.harness import Harness
 from miles.agents.harness import create_app as harness_app
 from miles.agents.launcher import ThreadServer, free_port_range
 from miles.agents.policy import Completion
+from miles.agents.run_token import new_token, token_headers
 from miles.agents.session_server import SessionServer
 from miles.agents.session_server import create_app as session_app
 from miles.agents.swe_tasks import make_task
@@ -36,24 +37,29 @@ class ScriptedPolicy:
         pass
 
 
+TOKEN = new_token()
+AUTH = token_headers(TOKEN)
+
+
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    port = free_port_range(2)
+    port = free_port_range(3)
     policy = ScriptedPolicy()
-    sessions = ThreadServer(session_app(SessionServer(policy, policy.tok, instance_id="agent-a")), port=port).start()
-    harness = Harness(tmp_path_factory.mktemp("sandboxes"))
+    app = session_app(SessionServer(policy, policy.tok, instance_id="agent-a"), token=TOKEN)
+    sessions = ThreadServer(app, port=port).start()
+    instances = {"agent-a": sessions.url, "agent-b": sessions.url, "agent-dead": f"http://127.0.0.1:{port + 2}"}
+    harness = Harness(tmp_path_factory.mktemp("sandboxes"), instances=instances, token=TOKEN)
     hs = ThreadServer(harness_app(harness), port=port + 1).start()
     yield policy, sessions.url, hs.url, harness
     hs.stop()
     sessions.stop()
 
 
-def _run(hs_url, session_url, n=1, instance="agent-a", **spec):
+def _run(hs_url, n=1, instance="agent-a", **spec):
     eps = [
         {
             "episode_id": f"ep{time.monotonic_ns()}-{i}",
             "instance_id": instance,
-            "session_url": session_url,
             "task_seed": 7,
             "max_turns": 3,
             "timeout_s": 30,
@@ -61,7 +67,7 @@ def _run(hs_url, session_url, n=1, instance="agent-a", **spec):
         }
         for i in range(n)
     ]
-    r = httpx.post(f"{hs_url}/episodes", json={"episodes": eps})
+    r = httpx.post(f"{hs_url}/episodes", json={"episodes": eps}, headers=AUTH)
     assert r.status_code == 200, r.text
     return [e["episode_id"] for e in eps]
 
@@ -69,7 +75,7 @@ def _run(hs_url, session_url, n=1, instance="agent-a", **spec):
 def _results(hs_url, ids, timeout_s=20.0):
     got, cursor, deadline = {}, 0, time.monotonic() + timeout_s
     while set(ids) - set(got) and time.monotonic() < deadline:
-        body = httpx.get(f"{hs_url}/results", params={"cursor": cursor, "wait_s": 1}, timeout=5).json()
+        body = httpx.get(f"{hs_url}/results", params={"cursor": cursor, "wait_s": 1}, timeout=5, headers=AUTH).json()
         cursor = body["cursor"]
         got |= {r["episode_id"]: r for r in body["results"] if r["episode_id"] in ids}
     assert not set(ids) - set(got), f"episodes {set(ids) - set(got)} did not finish in {timeout_s} s"
@@ -86,7 +92,7 @@ def test_an_agent_that_applies_the_fix_gets_reward_one_and_leaves_no_sandbox(sta
         format_tool_call("submit"),
     ]
     policy.script = list(script)
-    [r] = _results(h_url, _run(h_url, s_url, max_turns=6))
+    [r] = _results(h_url, _run(h_url, max_turns=6))
     assert (r["status"], r["reward"], r["passed"], r["num_tool_calls"], r["num_malformed"]) == (
         "completed",
         1.0,
@@ -104,7 +110,7 @@ def test_an_agent_that_applies_the_fix_gets_reward_one_and_leaves_no_sandbox(sta
 def test_malformed_tool_calls_cost_turns_and_end_with_zero_reward(stack):
     policy, s_url, h_url, harness = stack
     policy.script = ["\x01garbage", "<tool>{not json", format_tool_call("read_file", path="../../etc/passwd")]
-    [r] = _results(h_url, _run(h_url, s_url, max_turns=3))
+    [r] = _results(h_url, _run(h_url, max_turns=3))
     assert (r["status"], r["reward"], r["num_turns"], r["num_malformed"], r["num_tool_calls"]) == (
         "completed",
         0.0,
@@ -127,57 +133,58 @@ def test_an_episode_whose_sandbox_is_destroyed_mid_episode_is_a_zero_reward_erro
         return format_tool_call("list_files")
 
     policy.script = [destroy]
-    [r] = _results(h_url, _run(h_url, s_url, max_turns=1))
+    [r] = _results(h_url, _run(h_url, max_turns=1))
     assert r["status"] == "error" and r["reward"] == 0.0 and "cannot be scored" in r["error"]
 
 
 def test_an_unreachable_session_server_is_a_zero_reward_error_not_a_hang(stack):
     _, _, h_url, _ = stack
-    dead = f"http://127.0.0.1:{free_port_range(1)}"
-    [r] = _results(h_url, _run(h_url, dead))
+    [r] = _results(h_url, _run(h_url, instance="agent-dead"))
     assert r["status"] == "error" and r["reward"] == 0.0 and "ConnectError" in r["error"]
 
 
 def test_flush_cancels_only_that_instances_episodes_kills_their_tests_and_removes_their_sandboxes(stack):
     policy, s_url, h_url, harness = stack
     policy.script = [format_tool_call("run_test")] * 2
-    a = _run(h_url, s_url, instance="agent-a", slow_s=30, max_turns=1)
-    b = _run(h_url, s_url, instance="agent-b", slow_s=30, max_turns=1)
+    a = _run(h_url, instance="agent-a", slow_s=30, max_turns=1)
+    b = _run(h_url, instance="agent-b", slow_s=30, max_turns=1)
     deadline = time.monotonic() + 10
     while len(harness.procs) < 2 and time.monotonic() < deadline:  # both tests are running
         time.sleep(0.05)
     pids = {eid: p.pid for eid, p in harness.procs.items()}
     t0 = time.monotonic()
-    out = httpx.post(f"{h_url}/flush", json={"instance_id": "agent-a"}, timeout=10).json()
+    out = httpx.post(f"{h_url}/flush", json={"instance_id": "agent-a"}, timeout=10, headers=AUTH).json()
     assert (
         time.monotonic() - t0 < 5
         and out["cancelled"] == 1
         and out["still_running"] == []
         and out["sandboxes_left"] == []
     )
-    assert set(httpx.get(f"{h_url}/episodes").json()) == set(b) and harness.sandboxes() == b
+    assert set(httpx.get(f"{h_url}/episodes", headers=AUTH).json()) == set(b) and harness.sandboxes() == b
     assert not Path(f"/proc/{pids[a[0]]}").exists() or "Z" in Path(f"/proc/{pids[a[0]]}/stat").read_text().split()[2]
     [r] = _results(h_url, a, timeout_s=5)
     assert r["status"] == "cancelled" and r["reward"] == 0.0 and "flushed with instance agent-a" in r["error"]
-    httpx.post(f"{h_url}/flush", json={"instance_id": "agent-b"}, timeout=10)
-    assert httpx.get(f"{h_url}/episodes").json() == {} and harness.sandboxes() == []
+    httpx.post(f"{h_url}/flush", json={"instance_id": "agent-b"}, timeout=10, headers=AUTH)
+    assert httpx.get(f"{h_url}/episodes", headers=AUTH).json() == {} and harness.sandboxes() == []
 
 
 def test_a_bad_episode_spec_is_a_400_that_names_the_field(stack):
-    _, s_url, h_url, _ = stack
+    _, _, h_url, _ = stack
     r = httpx.post(
         f"{h_url}/episodes",
-        json={"episodes": [{"episode_id": "x", "instance_id": "a", "session_url": s_url, "bogus": 1}]},
+        json={"episodes": [{"episode_id": "x", "instance_id": "agent-a", "bogus": 1}]},
+        headers=AUTH,
     )
     assert r.status_code == 400 and "unknown episode field(s) ['bogus']" in r.text
 
 
 def test_an_unknown_session_id_over_http_is_a_404_in_openai_error_shape(stack):
     _, s_url, _, _ = stack
-    r = httpx.post(f"{s_url}/sessions/nope/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
+    msg = {"messages": [{"role": "user", "content": "x"}]}
+    r = httpx.post(f"{s_url}/sessions/nope/v1/chat/completions", json=msg, headers=AUTH)
     err = r.json()["error"]
     assert (
         r.status_code == 404 and err["code"] == "unknown_session" and "create one with POST /sessions" in err["message"]
     )
-    r = httpx.post(f"{s_url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
+    r = httpx.post(f"{s_url}/v1/chat/completions", json=msg, headers=AUTH)
     assert r.status_code == 400 and "needs 'session_id' in the body" in r.json()["error"]["message"]
