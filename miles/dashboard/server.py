@@ -1,6 +1,7 @@
-"""`miles dashboard RUN_DIR`: a local web server over a run directory, live while the run writes it.
+"""`miles dashboard RUN_DIR`: a local web server over a run directory (or a folder of runs), live while runs write.
 
-JSON endpoints read the run directory through :class:`RunDirReader` (which refuses every path outside it);
+JSON endpoints read a run directory through :class:`RunDirReader` (which refuses every path outside it); every
+endpoint takes ``?run=NAME`` to pick one run of a folder of runs (:class:`RunCatalog`), the newest by default;
 one binary endpoint streams a sample's whole token range for the token strip and its per-token chart; the
 front end in ``static/`` is plain HTML/JS/CSS with no build step and nothing fetched from the internet.
 Binds 127.0.0.1 unless told otherwise: the run directory may hold prompts and model outputs.
@@ -17,11 +18,12 @@ import time
 from pathlib import Path
 from typing import Annotated
 
-from fastapi import FastAPI, HTTPException, Query
+from fastapi import Depends, FastAPI, HTTPException, Query, Request
 from fastapi import Path as PathParam
 from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 
+from miles.dashboard.runs import NotARunDir, RunCatalog
 from miles.dashboard.store import NotInRunDir, RunDirReader
 from miles.http_guard import LOOPBACK_HOSTS, HttpGuard, exposure_warning
 from miles.http_guard import allowed_hosts as guard_hosts
@@ -34,21 +36,30 @@ Offset = Annotated[int, Query(ge=0, le=1 << 60)]
 MaxBytes = Annotated[int, Query(ge=1, le=64 << 20)]
 Step = Annotated[int, PathParam(ge=0, le=10**9)]
 Row = Annotated[int, PathParam(ge=0, le=1 << 31)]
+RunName = Annotated[str | None, Query(max_length=255)]
+
+
+def _run_reader(request: Request, run: RunName = None) -> RunDirReader:
+    """The reader of the run a request names (?run=NAME), or of the run the page opens with."""
+    return request.app.state.catalog.reader(run)
+
+
+Reader = Annotated[RunDirReader, Depends(_run_reader)]
 
 
 def create_app(
     run_dir: str | os.PathLike, *, follow: bool = False, allowed_hosts: tuple[str, ...] = LOOPBACK
 ) -> FastAPI:
-    """The dashboard app for one run directory; ``follow`` tells the page to poll for new data.
+    """The dashboard app for a run directory or a folder of them; ``follow`` tells the page to poll for new data.
 
     Requests must name one of ``allowed_hosts`` in their Host header (loopback by default): a web page
     elsewhere cannot reach a local dashboard through a DNS name that it re-points at 127.0.0.1. Browsers'
     cross-site requests and bodies not sent as application/json are refused too (miles.http_guard).
     """
-    reader = RunDirReader(run_dir)
+    catalog = RunCatalog(run_dir)
     app = FastAPI(title="miles dashboard", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(HttpGuard, allowed_hosts=tuple(allowed_hosts), max_body_bytes=1 << 20)  # it reads; no uploads
-    app.state.reader = reader
+    app.state.catalog = catalog
 
     @app.exception_handler(NotInRunDir)
     async def not_found(_request, exc: NotInRunDir):
@@ -59,38 +70,52 @@ def create_app(
         return FileResponse(STATIC / "index.html", headers={"Cache-Control": "no-cache"})
 
     @app.get("/api/info")
-    def info():
+    def info(reader: Reader):
         return {"run_dir": str(reader.root), "name": reader.root.name, "follow": follow}
 
+    @app.get("/api/runs")
+    def runs():
+        """The runs this dashboard serves (one, or the run directories of a folder) and the one it opens with."""
+        return {
+            "root": str(catalog.root),
+            "folder": not catalog.single,
+            "default": catalog.default(),
+            "runs": catalog.listing(),
+        }
+
     @app.get("/api/config")
-    def config():
+    def config(reader: Reader):
         return reader.config()
 
     @app.get("/api/plan")
-    def planned():
+    def planned(reader: Reader):
         from miles.planner_view import run_overlay
 
         return run_overlay(reader.config())
 
+    @app.get("/api/checkpoints")
+    def checkpoints(reader: Reader):
+        return {"checkpoints": reader.checkpoints()}
+
     @app.get("/api/metrics")
-    def metrics(offset: Offset = 0, max_bytes: MaxBytes = MAX_JSONL_BYTES):
+    def metrics(reader: Reader, offset: Offset = 0, max_bytes: MaxBytes = MAX_JSONL_BYTES):
         return _jsonl(reader, "metrics.jsonl", offset, max_bytes)
 
     @app.get("/api/ledger")
-    def ledger(offset: Offset = 0, max_bytes: MaxBytes = MAX_JSONL_BYTES):
+    def ledger(reader: Reader, offset: Offset = 0, max_bytes: MaxBytes = MAX_JSONL_BYTES):
         return _jsonl(reader, "ledger.jsonl", offset, max_bytes)
 
     @app.get("/api/steps")
-    def steps():
+    def steps(reader: Reader):
         return {"steps": reader.steps()}
 
     @app.get("/api/steps/{step}/samples")
-    def samples(step: Step):
+    def samples(reader: Reader, step: Step):
         index = reader.step_index(step)
         return {"step": step, "samples": index["samples"]}
 
     @app.get("/api/steps/{step}/samples/{row}")
-    def sample(step: Step, row: Row):
+    def sample(reader: Reader, step: Step, row: Row):
         """The whole token range of one sample plus its metadata and texts, streamed (see sample_chunks)."""
         size, chunks = reader.sample_chunks(step, row)
         headers = {"Content-Length": str(size), "Cache-Control": "no-cache"}
@@ -112,7 +137,11 @@ def _jsonl(reader: RunDirReader, name: str, offset: int, max_bytes: int) -> dict
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="miles dashboard", description="Serve a run directory as a local web dashboard.")
-    p.add_argument("run_dir", help="the run directory the driver writes (config.json, metrics.jsonl, rollouts/)")
+    p.add_argument(
+        "run_dir",
+        help="the run directory the driver writes (config.json, metrics.jsonl, rollouts/), or a folder of them: "
+        "the page then has a run picker",
+    )
     p.add_argument("--follow", action="store_true", help="poll for new steps, metrics and memory events (live run)")
     p.add_argument("--port", type=int, default=8642, help="port to listen on (0 = any free port)")
     p.add_argument("--host", default="127.0.0.1", help="interface to bind; the default keeps it on this machine")
@@ -197,16 +226,19 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    try:
+        app = create_app(args.run_dir, follow=args.follow, allowed_hosts=_allowed_hosts(args.host, args.allowed_hosts))
+    except NotARunDir as e:
+        print(f"miles dashboard: {e}", file=sys.stderr)
+        return 2
     if exposure_warning("miles dashboard", args.host, ""):
         print(f"miles dashboard: serving on {args.host}: anyone who can reach it can read this run", file=sys.stderr)
     sock = bind(args.host, args.port)
     port = sock.getsockname()[1]
-    print(
-        f"miles dashboard: http://{args.host}:{port}/  ({args.run_dir}{', following' if args.follow else ''})",
-        flush=True,
-    )
+    catalog = app.state.catalog
+    what = args.run_dir if catalog.single else f"{args.run_dir}: runs {', '.join(catalog.names())}"
+    print(f"miles dashboard: http://{args.host}:{port}/  ({what}{', following' if args.follow else ''})", flush=True)
     try:
-        app = create_app(args.run_dir, follow=args.follow, allowed_hosts=_allowed_hosts(args.host, args.allowed_hosts))
         _uvicorn_server(app).run(sockets=[sock])
     finally:
         sock.close()

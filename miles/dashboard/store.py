@@ -318,6 +318,19 @@ class RunDirReader:
                     continue
         return out
 
+    def checkpoints(self) -> list[dict]:
+        """The run's published checkpoints (``checkpoints/step_N``, N = the next RL step) and when each was written:
+        the mtime of its manifest, state.json, written last. The Memory tab matches these times against the ledger
+        to name a checkpoint save as the cause of a peak (saving onloads the trainer's state)."""
+        out = []
+        base = self.root / "checkpoints"
+        for d in sorted(base.iterdir()) if base.is_dir() else ():
+            m = STEP_DIR.match(d.name)
+            manifest = d / "state.json"
+            if m and manifest.is_file() and manifest.resolve().is_relative_to(self.root):
+                out.append({"step": int(m.group(1)), "name": d.name, "saved_at": manifest.stat().st_mtime})
+        return out
+
     def _step_numbers(self) -> list[int]:
         base = self.root / ROLLOUTS
         if not base.is_dir():

@@ -1,19 +1,24 @@
-// The dashboard page: tabs over one run directory (metrics, memory timeline, rollout table, sample view).
+// The dashboard page: tabs over one run directory (metrics, memory timeline, rollout table, sample view), or over
+// one run of a folder of runs (?run=NAME; the header's picker switches, the Metrics tab can overlay a second run).
 // Panes are hidden, never detached, so a built token strip keeps its DOM and scroll position across tab
-// switches. The URL hash is the route: #metrics, #memory, #rollouts/STEP, #sample/STEP/ROW.
+// switches. The URL hash is the route: #metrics, #memory/FROM-TO, #rollouts/STEP, #sample/STEP/ROW.
 
 import { TokenStrip, parseSample, colorScale, STATS } from "./strip.js";
-import { drawLineChart, drawTokenChart, formatValue, formatBytes, PALETTE } from "./charts.js";
-import { drawPool, memoryColors, memorySeries } from "./memory.js";
-import { describe } from "./describe.js";
+import { drawTokenChart, formatValue } from "./charts.js";
+import { MetricsView } from "./metrics.js";
+import { MemoryView } from "./memory_view.js";
+import { RolloutTable } from "./table.js";
 
 const $ = (id) => document.getElementById(id);
 const TABS = ["metrics", "memory", "rollouts", "sample"];
-const FIRST_METRICS = ["reward", "loss", "kl", "entropy", "tokens_per_s"];
 const POLL_MS = 2000;
 const SAMPLE_FIELDS = new Set(["index", "group", "reward", "weight_version", "finish_reason", "row", "num_tokens",
   "prompt_len", "response_len", "token_start", "token_text_start", "token_text_bytes", "text", "preview",
   "prompt_text", "response_text"]);
+const RUN = new URLSearchParams(location.search).get("run");
+
+// An API path for this page's run (or another run of the folder).
+const api = (path, run = RUN) => (run ? `${path}${path.includes("?") ? "&" : "?"}run=${encodeURIComponent(run)}` : path);
 
 async function getJSON(url) {
   const r = await fetch(url);
@@ -23,36 +28,60 @@ async function getJSON(url) {
 
 const escapeHTML = (s) => String(s ?? "").replace(/[&<>"]/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;" })[c]);
 
+// A JSONL file of a run, read in pages from where the last poll stopped.
+class Feed {
+  constructor(name, run = RUN) { this.name = name; this.run = run; this.rows = []; this.offset = 0; }
+
+  async poll() {  // true when new rows arrived; the server returns at most a few MiB per call
+    let grew = false;
+    for (;;) {
+      const offset = this.offset;
+      const page = await getJSON(api(`/api/${this.name}?offset=${offset}`, this.run));
+      if (page.rows.length) { this.rows.push(...page.rows); grew = true; }
+      this.offset = page.next_offset;
+      if (page.next_offset === offset || !page.rows.length) return grew;
+    }
+  }
+}
+
 class Dashboard {
   constructor() {
-    this.metrics = [];
-    this.metricsOffset = 0;
-    this.ledger = [];
-    this.ledgerOffset = 0;
+    this.metrics = new Feed("metrics");
+    this.ledger = new Feed("ledger");
+    this.overlay = null;  // {name, feed}: a second run drawn on the Metrics tab
+    this.checkpoints = [];
     this.steps = [];
     this.tableStep = null;
     this.followLatest = true;
-    this.samples = [];
-    this.sort = { key: "row", dir: "asc" };
     this.sampleKey = null;  // "step/row" of the sample in the strip
     this.data = null;
     this.loadSeq = 0;
     this.dirty = { metrics: true, memory: true };
     this.tab = null;
     this.strip = new TokenStrip($("strip"));
+    this.metricsView = new MetricsView($("metrics-groups"), $("tooltip"));
+    this.memoryView = new MemoryView(document, $("tooltip"));
+    this.table = new RolloutTable($("rollout-table"), { filter: $("table-filter"), prev: $("table-prev"), next: $("table-next"), info: $("table-info") });
   }
 
   async start() {
-    const info = await getJSON("/api/info");
+    const [info, runs] = await Promise.all([getJSON(api("/api/info")), getJSON("/api/runs")]);
+    this.info = info;
     $("run-name").textContent = info.name;
     document.title = `miles · ${info.name}`;
     $("live").textContent = info.follow ? "● live" : "";
+    this.showRuns(runs);
     for (const b of document.querySelectorAll("#tabs button")) b.onclick = () => this.openTab(b.dataset.tab);
     this.bindSampleControls();
     this.bindTable();
-    $("memory-setup").onchange = () => { this.dirty.memory = true; this.renderVisible(); };
-    getJSON("/api/plan").then((plan) => { this.plan = plan; this.dirty.memory = true; this.renderVisible(); }).catch(() => {});
-    await Promise.all([this.pollJsonl("metrics"), this.pollJsonl("ledger"), this.pollSteps()]);
+    this.bindMetricsControls();
+    $("memory-setup").onchange = () => {
+      if ($("memory-setup").checked) this.memoryView.pin(-1, this.memoryView.span - 2);  // setup, then the first steps
+      this.dirty.memory = true;
+      this.renderVisible();
+    };
+    getJSON(api("/api/plan")).then((plan) => { this.plan = plan; this.dirty.memory = true; this.renderVisible(); }).catch(() => {});
+    await Promise.all([this.metrics.poll(), this.ledger.poll(), this.pollSteps(), this.pollCheckpoints()]);
     window.addEventListener("hashchange", () => this.route());
     window.addEventListener("resize", () => { this.dirty.metrics = this.dirty.memory = true; this.renderVisible(); });
     this.route();
@@ -62,35 +91,61 @@ class Dashboard {
 
   async poll() {
     try {
-      await Promise.all([this.pollJsonl("metrics"), this.pollJsonl("ledger"), this.pollSteps()]);
+      const [metrics, ledger] = await Promise.all([this.metrics.poll(), this.ledger.poll(), this.pollSteps(),
+        this.overlay?.feed.poll(), getJSON("/api/runs").then((r) => this.showRuns(r))]);
+      if (ledger) await this.pollCheckpoints();
+      this.dirty.metrics ||= metrics;
+      this.dirty.memory ||= ledger;
       this.renderVisible();
     } catch (e) {
       $("live").textContent = `● offline (${e.message})`;
     }
   }
 
-  async pollJsonl(name) {
-    for (;;) {  // the server returns at most a few MiB per call: keep reading until caught up
-      const offset = this[`${name}Offset`];
-      const page = await getJSON(`/api/${name}?offset=${offset}`);
-      if (page.rows.length) { this[name].push(...page.rows); this.dirty[name === "ledger" ? "memory" : "metrics"] = true; }
-      this[`${name}Offset`] = page.next_offset;
-      if (page.next_offset === offset || !page.rows.length) return;
-    }
+  async pollCheckpoints() {
+    this.checkpoints = (await getJSON(api("/api/checkpoints"))).checkpoints;
   }
 
-  async pollSteps() {
-    const { steps } = await getJSON("/api/steps");
-    $("rollouts-empty").hidden = steps.length > 0;
-    $("rollout-table").hidden = steps.length === 0;
-    if (steps.length === this.steps.length && steps.at(-1)?.step === this.steps.at(-1)?.step) return;
-    this.steps = steps;
-    const select = $("step-select");
-    select.innerHTML = steps.map((s) => `<option value="${s.step}">${s.step}</option>`).join("");
-    if (this.followLatest && steps.length) this.tableStep = steps.at(-1).step;
-    if (this.tableStep !== null) select.value = String(this.tableStep);
-    $("rollouts-empty").hidden = steps.length > 0;
-    if (this.tab === "rollouts" && this.tableStep !== null) await this.loadTable(this.tableStep);
+  // The run picker and the overlay menu, shown when the dashboard serves a folder of runs.
+  showRuns({ folder, runs, default: first }) {
+    const names = runs.map((r) => r.name);
+    const current = RUN ?? first;
+    const key = names.join("\n");
+    if (key === this.runNames) return;
+    this.runNames = key;
+    const option = (n) => `<option value="${escapeHTML(n)}">${escapeHTML(n)}</option>`;
+    $("run-select").innerHTML = names.map(option).join("");
+    $("run-select").value = current;
+    $("run-select").hidden = !folder;
+    $("run-name").hidden = folder;
+    const others = names.filter((n) => n !== current);
+    $("metrics-overlay").innerHTML = `<option value="">none</option>${others.map(option).join("")}`;
+    $("metrics-overlay").value = this.overlay?.name ?? "";
+    $("metrics-overlay-label").hidden = !folder || !others.length;
+  }
+
+  // ---- metrics (miles/dashboard/static/metrics.js) ----
+  bindMetricsControls() {
+    $("run-select").onchange = (e) => { location.href = `?run=${encodeURIComponent(e.target.value)}#${this.tab ?? "metrics"}`; };
+    const redraw = () => { this.dirty.metrics = true; this.renderVisible(); };
+    $("metrics-filter").oninput = redraw;
+    $("metrics-smoothing").oninput = () => { $("metrics-smoothing-value").textContent = Number($("metrics-smoothing").value).toFixed(2); redraw(); };
+    $("metrics-overlay").onchange = async (e) => {
+      const name = e.target.value;
+      this.overlay = name ? { name, feed: new Feed("metrics", name) } : null;
+      if (this.overlay) await this.overlay.feed.poll();
+      redraw();
+    };
+  }
+
+  renderMetrics() {
+    $("metrics-empty").hidden = this.metrics.rows.length > 0;
+    const [shown, total] = this.metricsView.render(this.metrics.rows, {
+      runName: this.info.name, smoothing: Number($("metrics-smoothing").value), filter: $("metrics-filter").value,
+      overlay: this.overlay && { name: this.overlay.name, rows: this.overlay.feed.rows },
+    });
+    $("metrics-count").textContent = total ? (shown === total ? `${total} metrics` : `${shown} of ${total} metrics`) : "";
+    $("metrics-legend").innerHTML = this.overlay ? `<span class="run-a">━ ${escapeHTML(this.info.name)}</span> <span class="run-b">╍ ${escapeHTML(this.overlay.name)}</span>` : "";
   }
 
   // ---- routing and tabs ----
@@ -98,6 +153,8 @@ class Dashboard {
     const [tab, a, b] = (location.hash.slice(1) || "metrics").split("/");
     const name = TABS.includes(tab) ? tab : "metrics";
     if (name === "rollouts" && a !== undefined && /^\d+$/.test(a)) { this.tableStep = Number(a); this.followLatest = false; }
+    const range = name === "memory" && /^(-?\d+)-(-?\d+)$/.exec(a ?? "");
+    if (range) { this.memoryView.pin(Number(range[1]), Number(range[2])); this.dirty.memory = true; }
     this.showTab(name);
     if (name === "rollouts" && this.tableStep !== null) this.loadTable(this.tableStep);
     if (name === "sample" && /^\d+$/.test(a ?? "") && /^\d+$/.test(b ?? "")) this.openSample(Number(a), Number(b));
@@ -107,12 +164,14 @@ class Dashboard {
   openTab(name) {
     if (name === "sample" && this.sampleKey) location.hash = `#sample/${this.sampleKey}`;
     else if (name === "rollouts" && this.tableStep !== null) location.hash = `#rollouts/${this.tableStep}`;
+    else if (name === "memory" && this.memoryView.pinned) location.hash = `#memory/${this.memoryView.pinned.join("-")}`;
     else location.hash = `#${name}`;
   }
 
   showTab(name) {
     if (this.tab === "sample" && name !== "sample") this.rememberStripScroll();
     this.tab = name;
+    $("tooltip").hidden = true;
     for (const t of TABS) $(`pane-${t}`).hidden = t !== name;
     for (const b of document.querySelectorAll("#tabs button")) b.classList.toggle("active", b.dataset.tab === name);
     this.renderVisible();
@@ -128,89 +187,29 @@ class Dashboard {
 
   renderVisible() {
     if (this.tab === "metrics" && this.dirty.metrics) { this.renderMetrics(); this.dirty.metrics = false; }
-    if (this.tab === "memory" && this.dirty.memory) { this.renderMemory(); this.dirty.memory = false; }
+    if (this.tab === "memory" && this.dirty.memory) {
+      this.memoryView.render({ ledger: this.ledger.rows, plan: this.plan ?? {}, checkpoints: this.checkpoints });
+      this.dirty.memory = false;
+    }
     if (this.tab === "sample" && this.data) this.drawTokenChart();
   }
 
-  // ---- metrics ----
-  renderMetrics() {
-    $("metrics-empty").hidden = this.metrics.length > 0;
-    const root = $("metrics-groups");
-    root.textContent = "";
-    let color = 0;
-    for (const [group, series] of metricSeries(this.metrics)) {
-      root.insertAdjacentHTML("beforeend", `<h2>${escapeHTML(group)}</h2><div class="grid"></div>`);
-      const grid = root.lastElementChild;
-      for (const { key, xs, ys } of series) {
-        const card = document.createElement("div");
-        card.className = "card";
-        card.dataset.metric = key;
-        const fmt = (v) => formatValue(v, key);
-        card.innerHTML = `<div class="title"><b title="${escapeHTML(describe(key))}">${escapeHTML(key)}</b><span>${fmt(ys.at(-1))}</span></div><canvas></canvas>`;
-        grid.appendChild(card);
-        const canvas = card.querySelector("canvas");
-        const chart = drawLineChart(canvas, xs, ys, { key, color: PALETTE[color++ % PALETTE.length] });
-        const label = card.querySelector(".title span");
-        canvas.onmousemove = (e) => {
-          let best = 0;
-          for (let i = 1; i < xs.length; i++) if (Math.abs(chart.X(xs[i]) - e.offsetX) < Math.abs(chart.X(xs[best]) - e.offsetX)) best = i;
-          label.textContent = `step ${xs[best]}: ${fmt(ys[best])}`;
-        };
-        canvas.onmouseleave = () => { label.textContent = fmt(ys.at(-1)); };
-      }
-    }
+  // ---- rollout table (miles/dashboard/static/table.js) ----
+  async pollSteps() {
+    const { steps } = await getJSON(api("/api/steps"));
+    $("rollouts-empty").hidden = steps.length > 0;
+    $("rollout-view").hidden = steps.length === 0;
+    if (steps.length === this.steps.length && steps.at(-1)?.step === this.steps.at(-1)?.step) return;
+    this.steps = steps;
+    const select = $("step-select");
+    select.innerHTML = steps.map((s) => `<option value="${s.step}">${s.step}</option>`).join("");
+    if (this.followLatest && steps.length) this.tableStep = steps.at(-1).step;
+    if (this.tableStep !== null) select.value = String(this.tableStep);
+    if (this.tab === "rollouts" && this.tableStep !== null) await this.loadTable(this.tableStep);
   }
 
-  // ---- memory (miles/dashboard/static/memory.js) ----
-  renderMemory() {
-    const setup = $("memory-setup").checked;
-    const series = memorySeries(this.ledger, { setup });
-    $("memory-empty").hidden = this.ledger.length > 0;
-    const colors = memoryColors(this.ledger);
-    $("memory-legend").innerHTML = Object.entries(colors).map(([k, c]) => `<span><i style="background:${c}"></i>${escapeHTML(k)}</span>`).join("");
-    const plan = this.plan ?? {};
-    $("memory-plan").textContent = plan.available ? `planner: ${plan.hardware} profile, peak device ${plan.mode}` : (plan.reason ? `no planner overlay: ${plan.reason}` : "");
-    const root = $("memory-pools");
-    root.textContent = "";
-    for (const [pool, p] of Object.entries(series.pools)) {
-      const card = document.createElement("div");
-      card.className = "card";
-      card.dataset.pool = pool;
-      card.dataset.peak = String(p.peak);
-      card.dataset.events = String(p.held.length);
-      const planned = plan.available ? plan.peaks?.[pool] ?? null : null;
-      const budget = plan.available ? plan.budget?.[pool] ?? null : null;
-      if (planned !== null) card.dataset.planned = String(planned);
-      if (budget !== null) card.dataset.budget = String(budget);
-      const facts = [`peak over RL steps ${formatBytes(p.peak)} (= max of mem/${pool}_peak)`,
-        p.setupPeak ? `setup peak ${formatBytes(p.setupPeak)}` : "", planned !== null ? `planner ${formatBytes(planned)}` : "",
-        budget !== null ? `budget ${formatBytes(budget)}` : ""].filter(Boolean).join(" · ");
-      card.innerHTML = `<div class="title"><b>${escapeHTML(pool)}</b><span class="facts">${escapeHTML(facts)}</span></div><canvas></canvas><div class="hover muted">&nbsp;</div>`;
-      root.appendChild(card);
-      const canvas = card.querySelector("canvas");
-      const chart = drawPool(canvas, p, colors, { planned, budget });
-      const hover = card.querySelector(".hover");
-      canvas.onmousemove = (e) => {
-        const i = Math.min(p.rows.length - 1, Math.max(0, Math.floor(((e.offsetX - 64) / (canvas.clientWidth - 76)) * chart.n)));
-        if (i < 0 || !p.rows.length) return;
-        const parts = p.keys.map((k, j) => (p.rows[i][j] ? `${k} ${formatBytes(p.rows[i][j])}` : "")).filter(Boolean);
-        const step = p.stepOf[i] < 0 ? "setup" : `step ${p.stepOf[i]}`;
-        hover.textContent = `${step} · event ${i} · ${p.phases[i]}: ${parts.join(", ") || "empty"}`;
-      };
-      canvas.onmouseleave = () => { hover.innerHTML = "&nbsp;"; };
-    }
-  }
-
-  // ---- rollout table ----
   bindTable() {
     $("step-select").onchange = (e) => { this.followLatest = false; location.hash = `#rollouts/${e.target.value}`; };
-    for (const th of document.querySelectorAll("#rollout-table th")) {
-      th.onclick = () => {
-        const key = th.dataset.key;
-        this.sort = { key, dir: this.sort.key === key && this.sort.dir === "asc" ? "desc" : "asc" };
-        this.renderTable();
-      };
-    }
     $("rollout-table").querySelector("tbody").onclick = (e) => {
       const tr = e.target.closest("tr[data-row]");
       if (tr) location.hash = `#sample/${this.tableStep}/${tr.dataset.row}`;
@@ -218,32 +217,12 @@ class Dashboard {
   }
 
   async loadTable(step) {
-    const { samples } = await getJSON(`/api/steps/${step}/samples`);
+    const { samples } = await getJSON(api(`/api/steps/${step}/samples`));
     this.tableStep = step;
-    this.samples = samples;
     $("step-select").value = String(step);
     const s = this.steps.find((x) => x.step === step);
     $("step-summary").textContent = s ? `${s.num_samples} samples · ${s.num_tokens.toLocaleString()} tokens · mean reward ${formatValue(s.mean_reward)}` : "";
-    this.renderTable();
-  }
-
-  renderTable() {
-    const { key, dir } = this.sort;
-    const sign = dir === "asc" ? 1 : -1;
-    const rows = [...this.samples].sort((a, b) => {
-      const x = a[key] ?? -Infinity;
-      const y = b[key] ?? -Infinity;
-      return (x < y ? -1 : x > y ? 1 : a.row - b.row) * sign;
-    });
-    for (const th of document.querySelectorAll("#rollout-table th")) th.dataset.dir = th.dataset.key === key ? dir : "";
-    const maxReward = Math.max(1e-9, ...this.samples.map((s) => Math.abs(s.reward ?? 0)));
-    $("rollout-table").querySelector("tbody").innerHTML = rows.map((s) => `<tr data-row="${s.row}">
-      <td class="num">${s.row}</td>
-      <td><span class="chip" style="background:${PALETTE[(s.group ?? 0) % PALETTE.length]}"></span>${escapeHTML(s.group)}</td>
-      <td class="num">${formatValue(s.reward)}<span class="reward-bar" style="width:${Math.round(40 * Math.abs(s.reward ?? 0) / maxReward)}px"></span></td>
-      <td class="num">${s.num_tokens}</td><td class="num">${s.response_len}</td>
-      <td>${escapeHTML(s.finish_reason)}</td><td class="num">${escapeHTML(s.weight_version)}</td>
-      <td class="wide">${escapeHTML(s.preview)}</td></tr>`).join("");
+    this.table.show(samples);
   }
 
   // ---- sample view ----
@@ -290,12 +269,13 @@ class Dashboard {
     const d = this.data;
     const f = (v) => (Number.isFinite(v) ? v.toFixed(4) : "–");
     const text = JSON.stringify(d.text.slice(d.textStart[i], d.textStart[i + 1]));
-    const where = i < d.promptLen ? "prompt" : `response #${i - d.promptLen}`;
+    const prompt = i < d.promptLen;  // a prompt token was not sampled: it has no rollout log-prob to compare with
+    const where = prompt ? "prompt" : `response #${i - d.promptLen}`;
     return [`token ${i} (${where})  id ${d.tokens[i]}  ${text}`,
       `loss mask      ${d.mask[i]}`,
-      `rollout logp   ${f(d.stats.rollout_log_probs[i])}`,
+      `rollout logp   ${prompt ? "– (prompt token: not sampled)" : f(d.stats.rollout_log_probs[i])}`,
       `train logp     ${f(d.stats.train_log_probs[i])}`,
-      `train−rollout  ${f(d.stats.diff[i])}`,
+      `train−rollout  ${prompt ? "–" : f(d.stats.diff[i])}`,
       `advantage      ${f(d.stats.advantages[i])}`,
       `entropy        ${f(d.stats.entropy[i])}`].join("\n");
   }
@@ -322,7 +302,7 @@ class Dashboard {
     $("sample-title").textContent = `step ${step} · sample ${row}`;
     let data;
     try {
-      const r = await fetch(`/api/steps/${step}/samples/${row}`);
+      const r = await fetch(api(`/api/steps/${step}/samples/${row}`));
       if (!r.ok) throw new Error((await r.json()).detail ?? `HTTP ${r.status}`);
       data = parseSample(await r.arrayBuffer());
     } catch (e) {
@@ -395,32 +375,6 @@ class Dashboard {
     const stat = this.strip.stat === "none" ? "diff" : this.strip.stat;
     this.chart = drawTokenChart($("token-chart"), this.data, stat, this.visibleTokens());
   }
-}
-
-// Metric rows -> [[group, [{key, xs, ys}]]]: RL rows by step, grouped by key prefix (time/, mem/, ...);
-// rows of another phase (e.g. "sft" warm-up) form their own group, plotted against their own counter.
-export function metricSeries(rows) {
-  const series = new Map();
-  rows.forEach((r, i) => {
-    const phase = r.phase && r.phase !== "rl" ? r.phase : "";
-    const x = phase ? (r[`${phase}_step`] ?? i) : (typeof r.step === "number" ? r.step : i);
-    for (const [k, v] of Object.entries(r)) {
-      if (typeof v !== "number" || k === "step" || k === `${phase}_step`) continue;
-      const key = phase ? `${phase}/${k}` : k;
-      if (!series.has(key)) series.set(key, { key, xs: [], ys: [] });
-      series.get(key).xs.push(x);
-      series.get(key).ys.push(v);
-    }
-  });
-  const groupOf = (key) => (key.includes("/") ? key.split("/")[0] : "training");
-  const rank = (key) => { const i = FIRST_METRICS.indexOf(key); return i < 0 ? FIRST_METRICS.length : i; };
-  const keys = [...series.keys()].sort((a, b) => rank(a) - rank(b) || a.localeCompare(b));
-  const groups = new Map([["training", []]]);
-  for (const key of keys) {
-    if (!groups.has(groupOf(key))) groups.set(groupOf(key), []);
-    groups.get(groupOf(key)).push(series.get(key));
-  }
-  return [...groups].filter(([, list]) => list.length);
 }
 
 window.miles = new Dashboard();

@@ -1,11 +1,11 @@
-// The Memory tab: bytes held per pool and (owner, tag) after every ledger event, one RL step after another.
-// The x axis is the event index (not wall-clock seconds), so a step's handoff gets the same room as the long
-// setup; setup (step < 0: engines built, trainer built, first sync) is collapsed by default and its bytes become
-// the baseline. The peak in each title is the RL steps' peak computed as the driver computes mem/<pool>_peak (per
-// step, in time order, from the bytes held when the step starts), so it is the figure the Metrics tab shows; the
-// setup peak is named separately. The planner's prediction and the hardware's budget come from /api/plan.
+// The Memory tab's numbers: bytes held per pool and (owner, tag) after every ledger event, one RL step after
+// another, and the cause of every step peak that rises above the planner's line. The x axis is the event index (not
+// wall-clock seconds), so a step's handoff gets the same room as the long setup; setup (step < 0: engines built,
+// trainer built, first sync) is collapsed by default and its bytes become the baseline. Each step's peak is computed
+// as the driver computes mem/<pool>_peak (per step, in time order, from the bytes held when the step starts), so it
+// is the figure the Metrics tab shows; the setup peak is named separately.
 
-import { fitCanvas, formatBytes } from "./charts.js";
+import { formatBytes } from "./charts.js";
 
 // Owners get colour families: trainer tags blue-green, engine tags orange-red, anything else grey-violet.
 const FAMILIES = {
@@ -27,7 +27,11 @@ export function memoryColors(rows) {
   return colors;
 }
 
-// Per pool: the held bytes per (owner kind, tag) after each event; per-step peaks like the driver's.
+const newPool = () => ({ keys: [], held: [], phases: [], times: [], stepOf: [], events: [], peak: 0, setupPeak: 0,
+  stepPeaks: {}, stepPeakAt: {}, stepFirst: {} });
+
+// Per pool: the held bytes per (owner kind, tag) after each event; per-step peaks like the driver's, and where
+// in the series each step reaches its peak (stepPeakAt; absent when the bytes held at the step's start are its peak).
 export function memorySeries(rows, { setup = false } = {}) {
   const events = rows.filter((e) => typeof e.time === "number" && typeof e.bytes === "number")
     .sort((a, b) => a.time - b.time);
@@ -40,21 +44,25 @@ export function memorySeries(rows, { setup = false } = {}) {
     const step = e.step ?? -1;
     const key = `${ownerKind(e.owner)} · ${e.tag}`;
     const held = (current[e.pool] ||= {});
-    const p = (pools[e.pool] ||= { keys: [], held: [], phases: [], times: [], stepOf: [], peak: 0, setupPeak: 0, stepPeaks: {} });
+    const p = (pools[e.pool] ||= newPool());
     if (step !== lastStep) {  // a new step starts from the bytes held now, in every pool
       for (const [name, q] of Object.entries(pools)) if (step >= 0) q.stepPeaks[step] = Math.max(q.stepPeaks[step] ?? 0, total(name));
       lastStep = step;
     }
     held[key] = Math.max(0, (held[key] ?? 0) + (e.direction === "out" ? -e.bytes : e.bytes));
     const now = total(e.pool);
+    const rises = step >= 0 && now > (p.stepPeaks[step] ?? 0);
     if (step < 0) p.setupPeak = Math.max(p.setupPeak, now);
     else p.stepPeaks[step] = Math.max(p.stepPeaks[step] ?? 0, now);
     if (step < 0 && !setup) { p.baseline = { ...held }; continue; }
+    if (rises) p.stepPeakAt[step] = p.held.length;
+    if (!(step in p.stepFirst)) p.stepFirst[step] = p.held.length;
     if (!p.keys.includes(key)) p.keys.push(key);
     p.held.push({ ...held });
     p.phases.push(e.phase ?? "");
     p.times.push(e.time);
     p.stepOf.push(step);
+    p.events.push(e);
     if (!steps.length || steps.at(-1).step !== step) steps.push({ step, pool: e.pool });
   }
   for (const p of Object.values(pools)) {
@@ -62,61 +70,78 @@ export function memorySeries(rows, { setup = false } = {}) {
     p.peak = peaks.length ? Math.max(...peaks) : p.setupPeak;
     for (const k of Object.keys(p.baseline ?? {})) if (!p.keys.includes(k) && p.baseline[k]) p.keys.push(k);
     p.rows = p.held.map((h) => p.keys.map((k) => h[k] ?? 0));
-    if (!p.rows.length && p.baseline) p.rows = [p.keys.map((k) => p.baseline[k] ?? 0)];
+    p.totals = p.rows.map((r) => r.reduce((a, b) => a + b, 0));
+    p.base = p.keys.map((k) => p.baseline?.[k] ?? 0);
+    if (!p.rows.length && p.baseline) { p.rows = [p.base]; p.totals = [p.base.reduce((a, b) => a + b, 0)]; }
   }
   const order = ["device", "host", "disk"];
   const sorted = Object.fromEntries(Object.entries(pools).sort(([a], [b]) => order.indexOf(a) - order.indexOf(b)));
   return { pools: sorted, steps };
 }
 
-// A stacked step chart over the event index, step boundaries labelled, dashed lines for the planner and the budget.
-export function drawPool(canvas, p, colors, { planned = null, budget = null, height = 200 } = {}) {
-  const { ctx, width } = fitCanvas(canvas, height);
-  const pad = { l: 64, r: 12, t: 14, b: 20 };
-  const n = Math.max(p.rows.length, 1);
-  const top = Math.max(1, p.peak, ...p.rows.map((r) => r.reduce((a, b) => a + b, 0)), planned ?? 0);
-  const budgetShown = budget !== null && budget <= 1.6 * top;
-  const ymax = (budgetShown ? Math.max(top, budget) : top) * 1.08;
-  const X = (i) => pad.l + (i / n) * (width - pad.l - pad.r);
-  const Y = (b) => height - pad.b - (b / ymax) * (height - pad.t - pad.b);
-  ctx.strokeStyle = "#d4d4d8";
-  ctx.strokeRect(pad.l, pad.t, width - pad.l - pad.r, height - pad.t - pad.b);
-  ctx.fillStyle = "#71717a";
-  ctx.textAlign = "right";
-  ctx.fillText("0", pad.l - 4, height - pad.b);
-  ctx.fillText(formatBytes(ymax / 1.08), pad.l - 4, Y(ymax / 1.08) + 4);
-  const below = new Float64Array(n);
-  p.keys.forEach((key, k) => {
-    ctx.fillStyle = colors[key];
-    ctx.globalAlpha = 0.85;
-    for (let i = 0; i < p.rows.length; i++) {
-      const h = p.rows[i][k];
-      if (h) ctx.fillRect(X(i), Y(below[i] + h), X(i + 1) - X(i) + 0.5, Y(below[i]) - Y(below[i] + h));
-      below[i] += h;
-    }
-    ctx.globalAlpha = 1;
-  });
-  ctx.setLineDash([3, 3]);
-  ctx.textAlign = "left";
-  let last = null;
-  let lastX = -1e9;
-  p.stepOf.forEach((s, i) => {
-    if (s === last) return;
-    last = s;
-    const x = X(i);
-    ctx.strokeStyle = "#a1a1aa";
-    ctx.beginPath(); ctx.moveTo(x, pad.t); ctx.lineTo(x, height - pad.b); ctx.stroke();
-    if (x - lastX > 40) { ctx.fillStyle = "#52525b"; ctx.fillText(s < 0 ? "setup" : `step ${s}`, x + 3, height - pad.b + 13); lastX = x; }
-  });
-  const line = (bytes, colour, label) => {
-    ctx.strokeStyle = colour;
-    ctx.fillStyle = colour;
-    ctx.beginPath(); ctx.moveTo(pad.l, Y(bytes)); ctx.lineTo(width - pad.r, Y(bytes)); ctx.stroke();
-    ctx.textAlign = "right";
-    ctx.fillText(`${label} ${formatBytes(bytes)}`, width - pad.r - 4, Y(bytes) - 3);
-  };
-  if (planned !== null) line(planned, "#18181b", "planner");
-  if (budgetShown) line(budget, "#b91c1c", "budget");
-  ctx.setLineDash([]);
-  return { X, n };
+// "trainer params + optimizer (9.4 MiB)" for {key: bytes}, owners in order of appearance.
+function describeKeys(bytesByKey) {
+  const owners = new Map();
+  for (const [key, b] of Object.entries(bytesByKey)) {
+    const [owner, tag] = key.split(" · ");
+    const o = owners.get(owner) ?? { tags: [], bytes: 0 };
+    o.tags.push(tag);
+    o.bytes += b;
+    owners.set(owner, o);
+  }
+  return [...owners].map(([owner, o]) => `${owner} ${o.tags.join(" + ")} (${formatBytes(o.bytes)})`).join(", ");
+}
+
+// The RL steps whose peak in pool p rises above `planned`, each with its cause as the ledger tells it: the events
+// that carried the pool over the line (owners, tags, bytes, phases), what was held already, and the checkpoint
+// whose manifest was written while the pool stayed above the line, if one was (saving a checkpoint onloads the
+// trainer's state: checkpoints come from /api/checkpoints, [{name, step, saved_at}], saved_at in Unix seconds).
+export function peaksAbovePlan(p, planned, checkpoints = []) {
+  if (planned === null || planned === undefined || !p.totals) return [];
+  const out = [];
+  const lastOf = {};
+  p.stepOf.forEach((s, i) => { lastOf[s] = i; });
+  for (const [key, peak] of Object.entries(p.stepPeaks)) {
+    const step = Number(key);
+    const i = p.stepPeakAt[step] ?? p.stepFirst[step];
+    if (!(peak > planned) || i === undefined) continue;
+    const first = p.stepFirst[step];
+    let j = i;  // the first event of this step after which the pool stayed above the line up to the peak
+    while (j > first && p.totals[j - 1] > planned) j--;
+    let k = i + 1;  // the first event that brought it back to the line (or the next step's first)
+    while (k <= lastOf[step] && p.totals[k] > planned) k++;
+    const before = j > 0 ? p.rows[j - 1] : p.base;
+    const arrived = {};
+    const resident = {};
+    p.keys.forEach((name, c) => {
+      const now = p.rows[i][c];
+      if (now > before[c]) arrived[name] = now - before[c];
+      if (Math.min(now, before[c]) > 0) resident[name] = Math.min(now, before[c]);
+    });
+    const phases = [...new Set(p.phases.slice(j, i + 1).filter(Boolean))];
+    const from = p.times[j];
+    const until = k < p.times.length ? p.times[k] : Infinity;
+    const ckpt = checkpoints.find((c) => c.saved_at >= from && c.saved_at <= until) ?? null;
+    const what = describeKeys(arrived);
+    const held = describeKeys(resident);
+    const via = phases.length ? ` by ${phases.join(" + ")}` : "";
+    out.push({
+      step, peak, planned, over: peak - planned, index: i, checkpoint: ckpt?.name ?? null, phases,
+      cause: ckpt ? `checkpoint ${ckpt.name} saved` : phases.join(" + ") || "held since the step before",
+      detail: `${what ? `${what} moved in${via}` : "no bytes moved in"}${held ? ` while ${held} stayed` : ""}`,
+    });
+  }
+  return out.sort((a, b) => a.step - b.step);
+}
+
+// Peaks with the same cause and bytes told once: [{steps: [25, 50, 75], ...the first peak}].
+export function groupPeaks(peaks) {
+  const groups = new Map();
+  for (const q of peaks) {
+    const key = `${q.checkpoint ? "checkpoint" : q.cause}|${q.detail}|${q.peak}`;
+    if (!groups.has(key)) groups.set(key, { ...q, steps: [], checkpoints: [] });
+    groups.get(key).steps.push(q.step);
+    if (q.checkpoint) groups.get(key).checkpoints.push(q.checkpoint);
+  }
+  return [...groups.values()];
 }

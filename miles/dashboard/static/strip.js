@@ -41,10 +41,13 @@ export function parseSample(buffer) {
   const n = header.num_tokens;
   const textStart = new Uint32Array(n + 1);  // token i's text is text.slice(textStart[i], textStart[i + 1])
   for (let i = 0; i < n; i++) textStart[i + 1] = textStart[i] + cols.token_text_len[i];
+  // train − rollout exists only where the engine sampled the token: a prompt token has no rollout log-prob (the
+  // driver may store 0 there), so its difference is left undefined instead of reading as a -7 nat mismatch
+  const promptLen = header.sample.prompt_len;
   const diff = new Float32Array(n);
-  for (let i = 0; i < n; i++) diff[i] = cols.train_log_probs[i] - cols.rollout_log_probs[i];
+  for (let i = 0; i < n; i++) diff[i] = i < promptLen ? NaN : cols.train_log_probs[i] - cols.rollout_log_probs[i];
   return {
-    header, sample: header.sample, n, promptLen: header.sample.prompt_len, text: cols.token_text, textStart,
+    header, sample: header.sample, n, promptLen, text: cols.token_text, textStart,
     tokens: cols.tokens, mask: cols.loss_mask,
     stats: { diff, advantages: cols.advantages, entropy: cols.entropy, rollout_log_probs: cols.rollout_log_probs,
              train_log_probs: cols.train_log_probs },
