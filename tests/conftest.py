@@ -51,7 +51,11 @@ PROCS = {  # test files that start Ray, child processes, process groups or HTTP 
     "test_threads.py",
     "train/test_fsdp2.py",
 }
-BROWSER = {"dashboard/test_dashboard_browser.py", "dashboard/test_dashboard_workbench.py"}
+BROWSER = {
+    "dashboard/test_dashboard_browser.py",
+    "dashboard/test_dashboard_long_run.py",
+    "dashboard/test_dashboard_workbench.py",
+}
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
 

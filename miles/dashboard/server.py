@@ -70,8 +70,8 @@ def create_app(
         return FileResponse(STATIC / "index.html", headers={"Cache-Control": "no-cache"})
 
     @app.get("/api/info")
-    def info(reader: Reader):
-        return {"run_dir": str(reader.root), "name": reader.root.name, "follow": follow}
+    def info(reader: Reader, run: RunName = None):
+        return {"run_dir": str(reader.root), "name": run or catalog.default(), "follow": follow}
 
     @app.get("/api/runs")
     def runs():

@@ -136,7 +136,7 @@ function decimalsFor(step) {  // the fewest decimals that write the spacing exac
   return d;
 }
 
-// Metric lines over steps. series: [{xs, ys, color, dashed?, faint?}]; the first sets no bounds alone:
+// Metric lines over steps. series: [{xs, ys, color, dashed?, faint?, dots?}] (dots on each value of a short series);
 // every series shares one y range (bounds, from yBounds) so an overlaid run reads on the same scale.
 export function drawLineChart(canvas, series, { key = "", bounds = null, height = 150 } = {}) {
   const { ctx, width } = fitCanvas(canvas, height);
@@ -162,7 +162,7 @@ export function drawLineChart(canvas, series, { key = "", bounds = null, height 
   drawXTicks(ctx, xTicks, X, height - 5, { left: 0, right: width - 2 });
   for (const s of series) {
     ctx.strokeStyle = s.color;
-    ctx.globalAlpha = s.faint ? 0.25 : 1;
+    ctx.globalAlpha = s.faint ? 0.35 : 1;
     ctx.lineWidth = s.faint ? 1 : 1.6;
     ctx.setLineDash(s.dashed ? [5, 3] : []);
     ctx.beginPath();
@@ -173,7 +173,7 @@ export function drawLineChart(canvas, series, { key = "", bounds = null, height 
       started = true;
     }
     ctx.stroke();
-    if (s.xs.length <= 60 && !s.faint) {
+    if (s.xs.length <= 60 && s.dots) {
       ctx.fillStyle = s.color;
       for (let i = 0; i < s.xs.length; i++) if (Number.isFinite(s.ys[i])) ctx.fillRect(X(s.xs[i]) - 1.5, Y(s.ys[i]) - 1.5, 3, 3);
     }

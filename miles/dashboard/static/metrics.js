@@ -103,7 +103,7 @@ export class MetricsView {
     const lines = [];
     const add = (xs, ys, sms, color, dashed) => {
       if (smoothing > 0) lines.push({ xs, ys, color, dashed, faint: true });
-      lines.push({ xs, ys: sms, color, dashed });
+      lines.push({ xs, ys: sms, color, dashed, dots: !(smoothing > 0) });  // dots mark raw values only
     };
     if (o) add(o.xs, o.ys, osm, RUN_COLORS[1], true);
     add(s.xs, s.ys, sm, RUN_COLORS[0], false);
