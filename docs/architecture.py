@@ -2,7 +2,7 @@
 data flow of one RL step drawn as arrows. Layers follow the package's imports as they stand."""
 W = 1100
 layers = [
-    ("entry points", [("miles/cli.py", "train | plan | serve | dashboard | bench"), ("miles/workbench.py", "notebook panels: RunPanel, PlannerWidget"), ("benchmarks/", "miles bench NAME -> results/*.json")]),
+    ("entry points", [("miles/cli/", "train | plan | serve | dashboard | bench"), ("miles/workbench.py", "notebook panels: RunPanel, PlannerWidget"), ("benchmarks/", "miles bench NAME -> results/*.json")]),
     ("the loop", [("miles/driver.py", "generate -> handoff -> train -> handoff+sync -> record")]),
     ("orchestration", [("miles/cluster.py", "Ray placement group, actors, plan executor"), ("miles/colocated.py", "the same plan, in one process"), ("miles/agents/", "session servers, harness, abort / flush")]),
     ("the two sides", [("miles/rollout/", "engine, manager, SGLang client, HTTP server"), ("miles/train/", "TrainActor; torch (FSDP2) / megatron backends"), ("miles/planner.py", "replays a plan against sizes: peaks before launch")]),
@@ -30,7 +30,7 @@ def arrow(a, b, label, dx1=0, dx2=0):
     if yb == ya: x1, y1, x2, y2 = xa + wa, ya + ha / 2, xb, yb + hb / 2
     return (f'<line x1="{x1:.0f}" y1="{y1}" x2="{x2:.0f}" y2="{y2}" class="flow" marker-end="url(#arrow)"/>'
             f'<text x="{(x1 + x2) / 2 + 4:.0f}" y="{(y1 + y2) / 2:.0f}" class="flowlabel">{label}</text>')
-flows = [arrow("miles/cli.py", "miles/driver.py", "RunConfig"), arrow("miles/driver.py", "miles/cluster.py", "one RL step"),
+flows = [arrow("miles/cli/", "miles/driver.py", "RunConfig"), arrow("miles/driver.py", "miles/cluster.py", "one RL step"),
          arrow("miles/cluster.py", "miles/rollout/", "generate, release / resume"), arrow("miles/cluster.py", "miles/train/", "train_step, offload"),
          arrow("miles/train/", "miles/sync/", "named weights", dx1=-60, dx2=60), arrow("miles/sync/", "miles/rollout/", "update_weights(version)", dx1=-80, dx2=-80),
          arrow("miles/planner.py", "miles/handoff.py", "the same steps"), arrow("miles/run_dir.py", "miles/dashboard/", "jsonl + rollouts/")]

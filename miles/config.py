@@ -1,20 +1,19 @@
 """Typed configs: one small dataclass per component, composed into a RunConfig, validated when built.
 
 Each field is documented once, next to itself. A recipe (miles.recipes) returns a RunConfig; the CLI and
-notebooks change a few fields with ``apply_overrides(cfg, ["trainer.lr=1e-4"])``, which parses each value by
-the field's type and re-runs validation, so every error names the value and the fix.
+notebooks change a few fields with ``apply_overrides(cfg, ["trainer.lr=1e-4"])`` (miles.config_overrides), which
+parses each value by the field's type and re-runs validation, so every error names the value and the fix.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import types
-import typing
 from dataclasses import dataclass, field
 from typing import Literal
 
 from miles.config_check import check, require_finite
+from miles.config_overrides import apply_overrides, apply_values, build  # noqa: F401 (re-exported for callers)
 from miles.data.config import DataConfig, EvalConfig, check_run
 from miles.model.config import ModelConfig
 from miles.policy.objective import check_objective, check_rollout, check_trainer
@@ -26,6 +25,8 @@ MAX_THREADS = 4096
 
 @dataclass(kw_only=True, slots=True)
 class TaskConfig:
+    # the generated task when data.train is empty: reverse / sort / copy letters, add numbers, reverse in a chat
+    # template, or swe (agents: fix a tiny repository so its test passes)
     name: Literal["reverse", "sort", "add", "copy", "chat_reverse", "swe"] = "reverse"
     min_len: int = 3  # shortest problem (letters or digits)
     max_len: int = 5  # longest problem
@@ -45,12 +46,12 @@ class TaskConfig:
 class RolloutConfig:
     num_prompts_per_step: int = 8  # prompts per RL step (groups)
     n_samples_per_prompt: int = 4  # completions per prompt (group size for advantages)
-    max_new_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
+    max_new_tokens: int = 16  # longest completion, in tokens
+    temperature: float = 1.0  # sampling temperature
+    top_p: float = 1.0  # nucleus sampling: the smallest token set with this probability mass; 1 = off
     # in-process engine, the same engine over HTTP (`miles serve`), or SGLang servers (miles.rollout.sglang_flags)
     engine: Literal["embedded", "http", "sglang"] = "embedded"
-    num_engines: int = 1
+    num_engines: int = 1  # rollout engines, each with its own copy of the weights
     engine_urls: tuple[str, ...] = ()  # sglang: attach to these running servers instead of launching (never killed)
     sglang_args: tuple[str, ...] = ()  # sglang: extra server flags, e.g. --tp-size,4 (sglang_flags.KNOWN_FLAGS)
     sglang_launcher: str = "sglang.launch_server"  # module run with -m; "miles-serve" = the CPU stand-in
@@ -82,17 +83,17 @@ class RolloutConfig:
 
 @dataclass(kw_only=True, slots=True)
 class TrainerConfig:
-    backend: Literal["torch", "megatron"] = "torch"
+    backend: Literal["torch", "megatron"] = "torch"  # torch (FSDP2 when world_size > 1); megatron needs a GPU
     world_size: int = 1  # data-parallel ranks (FSDP2 when > 1)
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.99)
-    max_grad_norm: float = 1.0
-    loss: Literal["grpo", "gspo", "ppo"] = "grpo"
+    lr: float = 1e-3  # learning rate of the RL steps
+    weight_decay: float = 0.0  # decoupled weight decay (AdamW)
+    betas: tuple[float, float] = (0.9, 0.99)  # Adam's decay rates (beta1, beta2)
+    max_grad_norm: float = 1.0  # gradients are clipped to this global L2 norm
+    loss: Literal["grpo", "gspo", "ppo"] = "grpo"  # grpo / ppo: clipped per-token ratios; gspo: one sequence ratio
     eps_clip: float = 0.2  # lower ratio clip (1 - eps_clip)
     eps_clip_high: float = 0.28  # upper ratio clip (1 + eps_clip_high)
     kl_coef: float = 0.0  # KL to the initial (reference) policy; 0 keeps no reference model
-    entropy_coef: float = 0.0
+    entropy_coef: float = 0.0  # entropy bonus in the loss; 0 = off
     dual_clip: float = 0.0  # c > 1: a negative-advantage token's loss is capped at -c * A (0 = off)
     # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm (Dr.GRPO's constant)
     loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = (
@@ -104,20 +105,20 @@ class TrainerConfig:
     # importance correction with the engine's log-probs: tis = weight min(p_train/p_engine, cap) on each token's
     # loss; mis = mask tokens whose ratio leaves [1/cap, cap]
     rollout_correction: Literal["none", "tis", "mis"] = "none"
-    rollout_correction_cap: float = 2.0
+    rollout_correction_cap: float = 2.0  # the ratio cap of tis / mis
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"  # after warmup, per RL step
     lr_warmup_steps: int = 0  # RL steps of linear warmup from lr / lr_warmup_steps
     lr_decay_steps: int = 0  # the decay reaches lr * lr_min_ratio at this RL step; 0 = num_steps
-    lr_min_ratio: float = 0.0
+    lr_min_ratio: float = 0.0  # the decayed LR's floor, as a fraction of lr
     num_minibatches: int = 1  # optimizer steps per rollout batch
     logprob_chunk_size: int = 1024  # tokens per FP32 upcast chunk in the log-prob path
     warmup_sft_steps: int = 0  # supervised steps on reference answers before RL (not counted as RL steps)
-    warmup_sft_lr: float = 3e-3
-    optimizer: Literal["adamw", "muon"] = "adamw"
-    optimizer_offload: Literal["none", "host", "disk"] = "none"
+    warmup_sft_lr: float = 3e-3  # learning rate of the supervised warm-up steps
+    optimizer: Literal["adamw", "muon"] = "adamw"  # muon: hidden 2-D matrices under Muon, the rest under AdamW
+    optimizer_offload: Literal["none", "host", "disk"] = "none"  # where optimizer state waits between steps
     optimizer_offload_dir: str = ""  # for optimizer_offload = "disk": a directory on local NVMe
-    optimizer_offload_chunk_bytes: int = 64 << 20
-    clear_quantized_workspaces_on_offload: bool = True
+    optimizer_offload_chunk_bytes: int = 64 << 20  # bytes moved per chunk to and from host or disk
+    clear_quantized_workspaces_on_offload: bool = True  # free the low-precision weight copies on offload
     precision: Literal["bf16", "fp8", "mxfp8", "nvfp4"] = "bf16"  # low-precision recipe for Linear layers
     megatron_attention: Literal["local", "sdpa"] = (
         "local"  # megatron backend core attention: Megatron's unfused local one, or torch SDPA (flash)
@@ -153,6 +154,8 @@ class TrainerConfig:
 
 @dataclass(kw_only=True, slots=True)
 class SyncConfig:
+    # tensor: shared-memory / CUDA IPC buckets; broadcast: a torch.distributed group (NCCL, gloo); rdt: Ray's
+    # tensor transport; disk-delta: each version as a delta file the engines apply
     transport: Literal["tensor", "broadcast", "rdt", "disk-delta"] = "tensor"
     update_weight_buffer_size: int = 512 << 20  # bytes per bucket
     check_weights: bool = False  # compare engine and trainer weights bit-for-bit after every sync
@@ -196,6 +199,8 @@ class SyncConfig:
 
 @dataclass(kw_only=True, slots=True)
 class HandoffConfig:
+    # where the trainer/engine handoff overlaps: cpu (each side offloads first, the host holds both copies a
+    # moment), gpu (the other side onloads first, the overlap sits in device memory), auto (the planner picks)
     colocate_memory_peak_device: Literal["cpu", "gpu", "auto"] = "cpu"
     offload_train: Literal["host", "disk", "none"] = "host"  # where the trainer's tags go between steps
     offload_rollout: bool = True  # release engine memory while training
@@ -233,7 +238,7 @@ class AgentConfig:
     flush_timeout_s: float = 5.0  # per instance, per attempt
     flush_retries: int = 2  # extra attempts per instance after a failed flush
     max_turns: int = 4  # model turns per episode before the final test run
-    max_tokens_per_turn: int = 48
+    max_tokens_per_turn: int = 48  # longest model turn, in tokens
     episode_timeout_s: float = 120.0  # an episode still running after this is cancelled (zero reward)
     test_timeout_s: float = 30.0  # one run of the sandbox's test
     # the synthetic repository tasks' workload (miles.agents.swe_tasks): a share whose test is slow, the CPU-side
@@ -280,23 +285,25 @@ def parse_ports(spec: str) -> list[int]:
 
 @dataclass(kw_only=True, slots=True)
 class RunConfig:
-    recipe: str = "custom"
-    seed: int = 0
+    recipe: str = "custom"  # the recipe this config started from (a label; --recipe picks the base)
+    seed: int = 0  # seeds the model init, sampling and data order
     num_steps: int = 20  # RL steps
-    run_dir: str = "runs/latest"
+    run_dir: str = "runs/latest"  # config.json, metrics.jsonl, ledger.jsonl, rollouts/ and checkpoints/ go here
     checkpoint_every: int = 10  # RL steps between checkpoints (0: only at the end)
     resume: bool = True  # continue from the last complete checkpoint in run_dir
     overwrite: bool = False  # consent to write into a non-run directory, or (resume=false) delete the run there
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: CUDA when present, else the CPU
     ray_address: str = ""  # "" starts a local Ray; "ray://host:10001" or "auto" joins a cluster
     num_threads: int = 0  # torch threads per actor; 0 = all cores
     dump_rollouts: bool = True  # per-step samples and per-token columns for the dashboard
-    model: ModelConfig = field(default_factory=ModelConfig)
-    task: TaskConfig = field(default_factory=TaskConfig)
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    sync: SyncConfig = field(default_factory=SyncConfig)
-    handoff: HandoffConfig = field(default_factory=HandoffConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)  # the decoder: architecture, sizes, checkpoint, tokenizer
+    task: TaskConfig = field(default_factory=TaskConfig)  # generated prompts with a known answer (without data.train)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)  # generation, engines and advantages
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)  # the policy update: optimizer, loss, KL, LR
+    sync: SyncConfig = field(default_factory=SyncConfig)  # weights from the trainer to the engines after each step
+    handoff: HandoffConfig = field(
+        default_factory=HandoffConfig
+    )  # memory: what each side releases while the other runs
     agents: AgentConfig = field(default_factory=AgentConfig)  # agentic rollouts (task.name = 'swe')
     data: DataConfig = field(default_factory=DataConfig)  # prompt datasets (data.train replaces `task`)
     eval: EvalConfig = field(default_factory=EvalConfig)  # held-out eval of data.eval
@@ -367,108 +374,4 @@ class RunConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "RunConfig":
-        return _build(cls, d, "")
-
-
-def _build(cls, d: dict, prefix: str):
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    kw = {}
-    for k, v in d.items():
-        if k not in names:
-            raise ValueError(f"unknown config field {prefix + k!r}; valid fields: {sorted(names)}")
-        t = hints[k]
-        kw[k] = _build(t, v, f"{prefix}{k}.") if dataclasses.is_dataclass(t) else _coerce(v, t, prefix + k)
-    return cls(**kw)
-
-
-def _coerce(value, tp, path: str):
-    """Parse a string (from --set) or check a JSON value against the field's type."""
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin is Literal:
-        if value not in args:
-            raise ValueError(f"{path} = {value!r} is not one of {list(args)}")
-        return value
-    if origin in (types.UnionType, typing.Union):
-        if value in (None, "none", "None") and type(None) in args:
-            return None
-        return _coerce(value, next(a for a in args if a is not type(None)), path)
-    if origin is tuple:
-        items = [s.strip() for s in value.split(",") if s.strip()] if isinstance(value, str) else list(value)
-        elem = args[0]
-        if len(args) != 2 or args[1] is not Ellipsis:
-            if len(items) != len(args):
-                raise ValueError(f"{path} = {value!r} needs {len(args)} comma-separated values")
-            return tuple(_coerce(x, a, path) for x, a in zip(items, args))
-        return tuple(_coerce(x, elem, path) for x in items)
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        low = str(value).lower()
-        if low in ("1", "true", "yes", "on"):
-            return True
-        if low in ("0", "false", "no", "off"):
-            return False
-        raise ValueError(f"{path} = {value!r} is not a boolean; use true or false")
-    if tp in (int, float):
-        if isinstance(value, bool):
-            raise ValueError(f"{path} = {value!r} should be {tp.__name__}, got a boolean")
-        try:
-            if tp is int:
-                if isinstance(value, float) and not value.is_integer():
-                    raise ValueError
-                return int(value) if not isinstance(value, str) else _parse_int(value)
-            return float(value)
-        except (TypeError, ValueError):
-            raise ValueError(f"{path} = {value!r} is not {'an integer' if tp is int else 'a number'}") from None
-    if tp is str:
-        return str(value)
-    return value
-
-
-_SUFFIXES = {"k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30}
-
-
-def _parse_int(s: str) -> int:
-    low = s.strip().lower().replace("_", "")
-    for suffix, mult in sorted(_SUFFIXES.items(), key=lambda kv: -len(kv[0])):
-        if low.endswith(suffix) and low[: -len(suffix)].replace(".", "", 1).isdigit():
-            return int(float(low[: -len(suffix)]) * mult)
-    f = float(low)
-    if not f.is_integer():
-        raise ValueError
-    return int(f)
-
-
-def apply_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
-    """Return a new config with ``["section.field=value", ...]`` applied and validated."""
-    d = cfg.to_dict()
-    for item in overrides:
-        if "=" not in item:
-            raise ValueError(f"override {item!r} should look like section.field=value, e.g. trainer.lr=1e-4")
-        key, raw = item.split("=", 1)
-        node, cls, parts = d, RunConfig, key.strip().split(".")
-        for i, part in enumerate(parts):
-            hints = typing.get_type_hints(cls)
-            if part not in hints:
-                where = ".".join(parts[:i]) or "the run config"
-                raise ValueError(f"unknown config field {key!r}: {where} has no field {part!r}; valid: {sorted(hints)}")
-            if i < len(parts) - 1:
-                if not dataclasses.is_dataclass(hints[part]):
-                    raise ValueError(f"{'.'.join(parts[: i + 1])} is a value, not a section; drop the rest of {key!r}")
-                node, cls = node[part], hints[part]
-            else:
-                if dataclasses.is_dataclass(hints[part]):
-                    raise ValueError(
-                        f"{key!r} is a section; set one of its fields, e.g. {key}.{sorted(typing.get_type_hints(hints[part]))[0]}=..."
-                    )
-                node[part] = _coerce(raw.strip(), hints[part], key)
-    keys = {item.split("=", 1)[0].strip() for item in overrides}
-    m = cfg.model
-    if (
-        {"model.hidden_size", "model.num_attention_heads"} & keys
-        and "model.head_dim" not in keys
-        and m.head_dim == m.hidden_size // m.num_attention_heads
-    ):
-        d["model"]["head_dim"] = 0  # it was derived from the old width: derive it again from the new one
-    return RunConfig.from_dict(d)
+        return build(cls, d)

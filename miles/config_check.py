@@ -7,11 +7,14 @@ and the fix in the message:
     require_finite("trainer", self)  # NaN and infinities in every float field, ints beyond 64 bits
     check("trainer.max_grad_norm", self.max_grad_norm, gt=0, fix="e.g. 1.0")
     -> ValueError: trainer.max_grad_norm = -1.0 must be > 0; e.g. 1.0
+
+A misspelt name (a field, a choice, a recipe) gets the closest valid ones: ``did_you_mean("grpoo", choices)``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import operator
 
@@ -54,3 +57,13 @@ def _num(x) -> str:
 
 def _show(value) -> str:
     return ",".join(f"{x!r}" for x in value) if isinstance(value, tuple) else repr(value)
+
+
+def did_you_mean(word, choices, *, sep: str = "; ") -> str:
+    """``sep + "did you mean 'grpo'?"`` naming the choices closest to the misspelt ``word``, or '' when none is
+    close: the best match and any within 0.1 of its similarity (at most three)."""
+    if not isinstance(word, str):
+        return ""
+    scored = sorted(((difflib.SequenceMatcher(None, word, str(c)).ratio(), str(c)) for c in choices), reverse=True)
+    close = [c for r, c in scored if r >= max(0.6, scored[0][0] - 0.1)][:3] if scored else []
+    return f"{sep}did you mean {' or '.join(repr(c) for c in close)}?" if close else ""

@@ -14,6 +14,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from miles.config_check import did_you_mean
+
 GB, GiB = 10**9, 1 << 30
 
 
@@ -140,7 +142,8 @@ def get_profile(name: str) -> HardwareProfile:
     if name == "cpu":
         return this_cpu()
     if name not in PROFILES:
-        raise ValueError(f"unknown hardware profile {name!r}; valid: {sorted(PROFILES) + ['cpu', 'auto']}")
+        valid = sorted(PROFILES) + ["cpu", "auto"]
+        raise ValueError(f"unknown hardware profile {name!r}{did_you_mean(name, valid)} (valid: {valid})")
     return PROFILES[name]
 
 

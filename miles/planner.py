@@ -15,20 +15,16 @@ priced as the OS sees them (one page-rounded arena per tag, or torch's power-of-
 
     report = plan(cfg, "gb300")              # PlanReport: one row per executed step, peaks, budgets
     mode, reason = choose_mode(cfg)          # what colocate_memory_peak_device='auto' resolves to
-    miles plan --recipe gb300_kimi_k2_plan --hardware gb300 --json
+    miles plan --recipe gb300_kimi_k2_plan --hardware gb300 --json     (miles.planner_cli)
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
 from dataclasses import asdict, dataclass, field
 
 from miles.config import RunConfig
 from miles.handoff import HandoffPlan, Step
 from miles.hardware import GiB, HardwareProfile, get_profile
-from miles.memory.host_arena import arena_footprint, caching_allocator_footprint
 
 ALIGN = 64  # TaggedMemory's per-storage alignment inside an arena
 HOST_ALLOCATORS = ("arena", "arena_kept", "caching")
@@ -52,6 +48,8 @@ class TagSize:
         held = self.storages + (self.grown if grown else ())
         if self.policy != "host" or not sum(held):
             return 0
+        from miles.memory.host_arena import arena_footprint, caching_allocator_footprint  # torch: imported late
+
         packed = sum(-(-n // ALIGN) * ALIGN for n in held)
         return caching_allocator_footprint(packed) if allocator == "caching" else arena_footprint(packed)
 
@@ -164,16 +162,21 @@ class PlanReport:
         ]
         for s in self.steps:
             flag = " <-- over " + "+".join(s.over) if s.over else ""
-            dev = _fmt(s.device) + ("*" if s.transient_device else " ")
+            dev = _fmt(s.device + s.transient_device) + ("*" if s.transient_device else " ")
             lines.append(
                 f"  {s.phase:<17} {s.step:<58} {_fmt(sum(s.moved.values())):>10} {s.seconds:>8.3f} {dev:>12} "
                 f"{_fmt(s.host_node):>11}{flag}"
             )
+        at = lambda peak: next(f"{s.phase}: {s.step}" for s in self.steps if peak(s) == max(map(peak, self.steps)))
         lines.append(
-            f"  peaks: device {_fmt(self.device_peak)}/GPU (budget {_fmt(self.device_budget)}), host "
-            f"{_fmt(self.host_peak)}/node (budget {_fmt(self.host_budget)}) -> "
-            f"{'fits' if self.fits_device and self.fits_host else 'DOES NOT FIT'}  (* includes the step's working set)"
+            f"  peaks: device {_fmt(self.device_peak)}/GPU at {at(lambda s: s.device + s.transient_device)} (budget "
+            f"{_fmt(self.device_budget)}), host {_fmt(self.host_peak)}/node at {at(lambda s: s.host_node)} (budget "
+            f"{_fmt(self.host_budget)}) -> {'fits' if self.fits_device and self.fits_host else 'DOES NOT FIT'}"
         )
+        if any(s.transient_device for s in self.steps):
+            lines.append(
+                "  * includes the step's working set on top of what it holds (the train step's, the sync bucket)"
+            )
         lines.append(f"  predicted handoff time: {self.handoff_seconds:.3f} s per RL step (moved bytes over the link)")
         return "\n".join(lines)
 
@@ -532,62 +535,3 @@ def choose_mode(cfg: RunConfig, hardware: str | HardwareProfile | None = None) -
         f"Use more GPUs (trainer.world_size), a smaller rollout (rollout.max_batch_size), or set "
         f"handoff.colocate_memory_peak_device explicitly to run anyway"
     )
-
-
-MAX_PLAN_STEPS = 100  # the steady state repeats from the second step; a long replay only costs time
-EXIT_DOES_NOT_FIT = 3
-
-
-def _steps(text: str) -> int:
-    n = int(text)
-    if not 0 <= n <= MAX_PLAN_STEPS:
-        raise argparse.ArgumentTypeError(f"--steps {n} must be in 0..{MAX_PLAN_STEPS}")
-    return n
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``miles plan --recipe R --hardware gb300 [--set a.b=v ...] [--mode cpu|gpu|auto|both] [--json]``."""
-    from miles.config import apply_overrides
-    from miles.recipes import get_recipe
-
-    p = argparse.ArgumentParser(
-        prog="miles plan", description="predict device and host peaks of a recipe's handoff plan"
-    )
-    p.add_argument("--recipe", default="quickstart")
-    p.add_argument(
-        "--hardware", default=None, help="gb300 | gb200 | b300 | h200 | h100 | cpu | auto (default: the recipe's)"
-    )
-    p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
-    p.add_argument("--mode", default="both", choices=["cpu", "gpu", "auto", "both"])
-    p.add_argument("--host-allocator", default="arena", choices=list(HOST_ALLOCATORS))
-    p.add_argument("--steps", type=_steps, default=2, help=f"RL steps to replay after init (0..{MAX_PLAN_STEPS})")
-    p.add_argument("--json", action="store_true")
-    p.epilog = "exit status: 0 when a plan fits, 3 when none of the planned modes fits, 2 for bad input"
-    args = p.parse_args(sys.argv[1:] if argv is None else argv)
-    cfg = apply_overrides(get_recipe(args.recipe), args.set)
-    hw = get_profile(args.hardware or cfg.handoff.hardware)
-    h = cfg.handoff
-    modes = ["cpu", "gpu"] if args.mode == "both" else [args.mode]
-    if "gpu" in modes and (h.offload_train == "none" or not h.offload_rollout) and args.mode == "both":
-        modes.remove("gpu")
-    reports = [plan(cfg, hw, mode=m, num_steps=args.steps, host_allocator=args.host_allocator) for m in modes]
-    try:
-        auto = dict(zip(("mode", "reason"), choose_mode(cfg, hw)))
-    except ValueError as e:
-        auto = {"mode": None, "reason": str(e)}
-    if args.json:
-        print(
-            json.dumps(
-                {
-                    "recipe": args.recipe,
-                    "hardware": hw.name,
-                    "auto": auto,
-                    "plans": {r.mode: r.to_dict() for r in reports},
-                },
-                indent=1,
-            )
-        )
-    else:
-        print("\n\n".join(r.table() for r in reports))
-        print(f"\nauto -> {auto['mode']}: {auto['reason']}\n{hw.note}")
-    return 0 if any(r.fits_device and r.fits_host for r in reports) else EXIT_DOES_NOT_FIT

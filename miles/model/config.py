@@ -16,26 +16,26 @@ from miles.config_check import check, require_finite
 
 @dataclass(kw_only=True, slots=True)
 class ModelConfig:
-    architecture: Literal["llama", "qwen2", "qwen3"] = "qwen2"
-    vocab_size: int = 264
-    hidden_size: int = 128
-    intermediate_size: int = 384
-    num_hidden_layers: int = 4
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2
+    architecture: Literal["llama", "qwen2", "qwen3"] = "qwen2"  # the decoder family (HF model_type)
+    vocab_size: int = 264  # rows of the embedding (the tokenizer's ids must fit)
+    hidden_size: int = 128  # width of the residual stream
+    intermediate_size: int = 384  # width of the MLP
+    num_hidden_layers: int = 4  # decoder layers
+    num_attention_heads: int = 4  # query heads
+    num_key_value_heads: int = 2  # key/value heads (grouped-query attention when fewer than the query heads)
     head_dim: int = 0  # 0: hidden_size // num_attention_heads
-    rope_theta: float = 10000.0
+    rope_theta: float = 10000.0  # the rotary embedding's base
     rope_type: Literal["default", "llama3"] = "default"  # llama3: Llama 3.1+ frequency scaling (the fields below)
     rope_factor: float = 8.0  # llama3 scaling: low frequencies divided by this
-    rope_low_freq_factor: float = 1.0
-    rope_high_freq_factor: float = 4.0
-    rope_original_max_position_embeddings: int = 8192
-    rms_norm_eps: float = 1e-6
-    max_position_embeddings: int = 512
-    tie_word_embeddings: bool = True
+    rope_low_freq_factor: float = 1.0  # llama3 scaling: wavelengths above original / this are divided fully
+    rope_high_freq_factor: float = 4.0  # llama3 scaling: wavelengths below original / this are kept
+    rope_original_max_position_embeddings: int = 8192  # llama3 scaling: the context the model was trained at
+    rms_norm_eps: float = 1e-6  # RMSNorm's epsilon
+    max_position_embeddings: int = 512  # longest sequence, prompt and completion together
+    tie_word_embeddings: bool = True  # the output head shares the embedding matrix
     attention_bias: bool = True  # Qwen2 has q/k/v biases; Llama and Qwen3 have none
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    init_std: float = 0.02
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # the weights' dtype
+    init_std: float = 0.02  # random init: the normal's standard deviation
     checkpoint: str = ""  # HF-style directory (config.json + *.safetensors) or a .gguf file; "" = random init
     tokenizer: str = "bytes"  # "bytes" (built in) or "hf:<dir-or-gguf>" (needs transformers)
 

@@ -8,26 +8,20 @@ from __future__ import annotations
 import argparse
 import errno
 import ipaddress
-import json
 import os
 import socket
 import sys
 import threading
 import time
 
-import torch
-
+from miles.config_args import ArgParser, add_config_args, config_from_args, print_config
 from miles.http_connections import HEAD_TIMEOUT_S, MAX_PER_CLIENT, guarded_protocol
 from miles.http_guard import API_KEY_ENV, allowed_hosts, api_key_from, exposure_warning
-from miles.rollout.launch import READY_PREFIX
-from miles.rollout.server import EngineServer, build_engine
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="miles serve", description="serve the embedded engine over SGLang's HTTP API")
-    p.add_argument("--recipe", default="quickstart")
-    p.add_argument("--config", default="", help="a RunConfig JSON file (e.g. a run's config.json); overrides --recipe")
-    p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
+    p = ArgParser(prog="miles serve", description="serve the embedded engine over SGLang's HTTP API")
+    add_config_args(p)  # --recipe, --config FILE (a run's config.json too), --set, --print-config
     p.add_argument("--host", default="127.0.0.1", help="interface to bind; the default keeps it on this machine")
     p.add_argument("--port", type=_port, default=30000, help="0 picks a free port (printed on stdout)")
     key = p.add_mutually_exclusive_group()
@@ -165,32 +159,6 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def load_config(args):
-    from miles.config import RunConfig, apply_overrides
-    from miles.recipes import get_recipe
-
-    if args.config:
-        cfg = _config_file(args.config, RunConfig)
-    else:
-        cfg = get_recipe(args.recipe)
-    return apply_overrides(cfg, args.set)
-
-
-def _config_file(path: str, run_config):
-    """The RunConfig in a JSON file; every error names the file."""
-    try:
-        with open(path, "rb") as f:
-            d = json.loads(f.read().decode("utf-8"))
-    except (ValueError, RecursionError) as e:  # not UTF-8, not JSON
-        raise ValueError(f"--config {path}: not a JSON RunConfig ({str(e)[:120]}); give a run's config.json") from None
-    if not isinstance(d, dict):
-        raise ValueError(f"--config {path}: holds a JSON {type(d).__name__}, not a RunConfig object")
-    try:
-        return run_config.from_dict(d)
-    except ValueError as e:
-        raise ValueError(f"--config {path}: {e}") from None
-
-
 def _watch_parent(pid: int) -> None:
     def watch():
         while True:
@@ -204,11 +172,11 @@ def _watch_parent(pid: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import uvicorn
-
     args = _parser().parse_args(argv)
     check_host(args.host)
-    cfg = load_config(args)
+    cfg = config_from_args(args)
+    if args.print_config:
+        return print_config(cfg, args, "miles serve")
     try:
         api_key = api_key_of(args)
         protocol = guarded_protocol(args.head_timeout_s, args.max_connections_per_client)
@@ -218,6 +186,12 @@ def main(argv: list[str] | None = None) -> int:
     if warning := exposure_warning("miles serve", args.host, api_key):
         print(warning, file=sys.stderr, flush=True)
     sock = bind(args.host, args.port)  # before the engine is built: a taken port fails in a moment
+    import torch  # the engine's imports (seconds) once the arguments and the config are known to be good
+    import uvicorn
+
+    from miles.rollout.launch import READY_PREFIX
+    from miles.rollout.server import EngineServer, build_engine
+
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")

@@ -1,0 +1,116 @@
+"""``miles plan``: the handoff plan of a recipe on a hardware profile, with every step's predicted device and host
+bytes against the budget, before anything launches (miles.planner computes; this prints).
+
+The arguments and the config are checked before the planner's heavy imports (torch, for the meta-device model).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from miles.config_args import ArgParser, add_config_args, config_from_args, print_config
+from miles.hardware import PROFILES
+
+HARDWARE = [*sorted(PROFILES), "cpu", "auto"]
+EXIT_DOES_NOT_FIT = 3
+MAX_STEPS = 100  # the steady state repeats from the second RL step; a long replay only costs time
+HOST_ALLOCATORS = {
+    "arena": "one page-rounded pinned arena per tag, freed at resume (what miles does)",
+    "arena_kept": "the same arenas kept mapped for the run (host_arena.keep_pinned)",
+    "caching": "torch's pinned caching allocator (power-of-two blocks)",
+}
+EXAMPLES = """\
+examples:
+  miles plan --recipe gb300_kimi_k2_plan --hardware gb300          both orders of a 1T MoE on 32 GB300 trays
+  miles plan --recipe gb300_kimi_k2_plan --hardware h200 --mode auto  what 'auto' would pick, and why
+  miles plan --set trainer.world_size=8 handoff.offload_train=disk --json
+  miles plan --set handoff.plan_model=path/to/config.json          size any HF config (dense, MoE, MLA)
+
+exit status: 0 when a planned order fits, 3 when none does, 2 for bad input."""
+
+
+def _steps(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if not 0 <= n <= MAX_STEPS:
+        raise argparse.ArgumentTypeError(f"--steps {text} must be in 0..{MAX_STEPS}")
+    return n
+
+
+def parser() -> ArgParser:
+    p = ArgParser(
+        prog="miles plan",
+        description="Predict the device and host peaks of every step of a recipe's handoff plan on a hardware "
+        "profile, before launching.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_config_args(p)
+    p.add_argument(
+        "--hardware",
+        default=None,
+        metavar="NAME",
+        help=f"the hardware profile: {', '.join(HARDWARE)} (cpu: this machine; auto: the local GPU's, else cpu; "
+        "default: the recipe's handoff.hardware)",
+    )
+    p.add_argument(
+        "--mode",
+        default="both",
+        choices=["cpu", "gpu", "auto", "both"],
+        help="which handoff order to plan (handoff.colocate_memory_peak_device): cpu (each side offloads before the "
+        "other onloads), gpu (the other side onloads first), auto (what a run would pick), both (default: cpu and "
+        "gpu side by side)",
+    )
+    p.add_argument(
+        "--host-allocator",
+        default="arena",
+        choices=list(HOST_ALLOCATORS),
+        help="how host backups are priced: " + "; ".join(f"{k}: {v}" for k, v in HOST_ALLOCATORS.items()),
+    )
+    p.add_argument("--steps", type=_steps, default=2, help=f"RL steps to replay after init (0..{MAX_STEPS}; default 2)")
+    p.add_argument("--json", action="store_true", help="print the plans as JSON (every step's bytes) instead of tables")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(sys.argv[1:] if argv is None else argv)
+    cfg = config_from_args(args)
+    if args.print_config:
+        return print_config(cfg, args, "miles plan")
+    from miles.hardware import get_profile
+    from miles.planner import choose_mode, plan
+
+    hw = get_profile(args.hardware or cfg.handoff.hardware)
+    h = cfg.handoff
+    modes = ["cpu", "gpu"] if args.mode == "both" else [args.mode]
+    if "gpu" in modes and (h.offload_train == "none" or not h.offload_rollout) and args.mode == "both":
+        modes.remove("gpu")
+    reports = [plan(cfg, hw, mode=m, num_steps=args.steps, host_allocator=args.host_allocator) for m in modes]
+    try:
+        auto = dict(zip(("mode", "reason"), choose_mode(cfg, hw)))
+    except ValueError as e:
+        auto = {"mode": None, "reason": str(e)}
+    fits = [r.mode for r in reports if r.fits_device and r.fits_host]
+    code = 0 if fits else EXIT_DOES_NOT_FIT
+    if args.json:
+        out = {"recipe": cfg.recipe, "hardware": hw.name, "auto": auto, "plans": {r.mode: r.to_dict() for r in reports}}
+        print(json.dumps(out, indent=1))
+        return code
+    print("\n\n".join(r.table() for r in reports))
+    print(f"\n{_auto_line(reports, auto)}\n{hw.note}")
+    planned = ", ".join(f"{r.mode} {'fits' if r.mode in fits else 'does NOT fit'}" for r in reports)
+    print(f"on {hw.name}: {planned} (exit {code})")  # the last line agrees with the exit status
+    return code
+
+
+def _auto_line(reports, auto: dict) -> str:
+    """What handoff.colocate_memory_peak_device = 'auto' picks, marked as such when that order is not planned."""
+    if auto["mode"] is None:
+        return f"auto -> none: {auto['reason']}"
+    if auto["mode"] in [r.mode for r in reports]:
+        return f"auto -> {auto['mode']}: {auto['reason']}"
+    return f"auto -> {auto['mode']} (not the order planned above; see --mode {auto['mode']}): {auto['reason']}"
