@@ -44,7 +44,7 @@ def _parser() -> argparse.ArgumentParser:
         "--max-connections-per-client",
         type=int,
         default=MAX_PER_CLIENT,
-        help="open connections one client address may hold; more are answered 503 and closed (0 = no cap)",
+        help="open connections one remote (not loopback) address may hold; more get 503 and are closed (0 = no cap)",
     )
     p.add_argument(
         "--allowed-hosts",
