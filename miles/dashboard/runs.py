@@ -75,13 +75,8 @@ class RunCatalog:
         return self._readers[name]
 
     def listing(self) -> list[dict]:
-        """One line per run for the page's run picker: name, last write (Unix seconds), published steps."""
-        out = []
-        for name in self.names():
-            path = self.path(name)
-            num_steps = sum(1 for _ in (path / "rollouts").glob("step_*")) if (path / "rollouts").is_dir() else 0
-            out.append({"name": name, "modified": _last_write(path), "num_steps": num_steps})
-        return out
+        """One line per run for the page's run picker (polled while following): name, last write (Unix seconds)."""
+        return [{"name": name, "modified": _last_write(self.path(name))} for name in self.names()]
 
 
 def _last_write(path: Path) -> float:

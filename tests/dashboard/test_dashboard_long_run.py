@@ -189,6 +189,11 @@ def test_the_step_picker_moves_zooms_and_deep_links_the_memory_window(browser, s
     page.goto(f"{server.url}#memory/50-54")
     page.wait_for_function("document.getElementById('pane-memory').dataset.window === '50-54'")
     assert page.input_value("#memory-from") == "50" and page.input_value("#memory-to") == "54"
+    assert page.input_value("#memory-span") == "5"  # the menu names the window's size, whoever set it
+    page.check("#memory-setup")  # setup shown: a window of the same size from the run's start
+    assert window(page) == "-1-3"
+    page.uncheck("#memory-setup")
+    assert window(page) == "0-4"
     assert page.errors == []
 
 

@@ -76,7 +76,10 @@ class Dashboard {
     this.bindTable();
     this.bindMetricsControls();
     $("memory-setup").onchange = () => {
-      if ($("memory-setup").checked) this.memoryView.pin(-1, this.memoryView.span - 2);  // setup, then the first steps
+      const view = this.memoryView;  // setup shown: the window (same size) opens at the run's start
+      const span = view.showsAll() ? Infinity : view.windowSize();
+      if ($("memory-setup").checked) view.pin(-1, span - 2);
+      else if (view.pinned?.[0] < 0) view.pin(0, span - 1);
       this.dirty.memory = true;
       this.renderVisible();
     };
@@ -164,7 +167,7 @@ class Dashboard {
   openTab(name) {
     if (name === "sample" && this.sampleKey) location.hash = `#sample/${this.sampleKey}`;
     else if (name === "rollouts" && this.tableStep !== null) location.hash = `#rollouts/${this.tableStep}`;
-    else if (name === "memory" && this.memoryView.pinned) location.hash = `#memory/${this.memoryView.pinned.join("-")}`;
+    else if (name === "memory") location.hash = this.memoryView.hash();
     else location.hash = `#${name}`;
   }
 

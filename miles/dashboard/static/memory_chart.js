@@ -68,8 +68,13 @@ function stepBoundaries(ctx, p, a, b, X, { top, bottom, right }) {
   ctx.setLineDash([]);
   ctx.fillStyle = "#52525b";
   ctx.textAlign = "left";
+  // with more steps than names fit, name every 2nd, 5th, 10th ... step (round numbers, as an axis would)
+  const room = (right - X(a)) / Math.max(1, spans.length);
+  const need = ctx.measureText(`step ${p.stepOf[b - 1] ?? 0}`).width + 10;
+  const stride = [1, 2, 5, 10, 20, 25, 50, 100, 200, 250, 500, 1000].find((k) => k * room >= need) ?? 1000;
   let lastEnd = -Infinity;
   spans.forEach((s, k) => {
+    if (s.step >= 0 && s.step % stride) return;
     const to = k + 1 < spans.length ? spans[k + 1].from : b;
     const text = s.step < 0 ? "setup" : `step ${s.step}`;
     const w = ctx.measureText(text).width;

@@ -64,6 +64,8 @@ export class MemoryView {
 
   windowSize() { return this.window ? this.window[1] - this.window[0] + 1 : this.span; }
 
+  showsAll() { return Boolean(this.window) && this.window[0] === 0 && this.window[1] === this.steps.length - 1; }
+
   shift(direction) {
     if (!this.window) return;
     const size = this.windowSize();
@@ -80,9 +82,15 @@ export class MemoryView {
     this.commit();
   }
 
+  // The route of the window shown: #memory/FROM-TO when the reader picked it, #memory when it follows the newest.
+  hash() {
+    if (!this.pinned || !this.window) return "#memory";
+    return `#memory/${this.steps[this.window[0]]}-${this.steps[this.window[1]]}`;
+  }
+
   commit() {
-    history.replaceState(null, "", `#memory/${this.pinned[0]}-${this.pinned[1]}`);
     this.render(this.input);
+    history.replaceState(null, "", this.hash());
   }
 
   resolveWindow(steps) {
@@ -130,6 +138,11 @@ export class MemoryView {
     pane.dataset.window = `${from}-${to}`;
     $("memory-from").value = String(from);
     $("memory-to").value = String(to);
+    const span = $("memory-span");  // the menu names the window's size, whichever control set it
+    const size = this.showsAll() ? "all" : String(b - a + 1);
+    span.querySelector("option[data-custom]")?.remove();
+    if (![...span.options].some((o) => o.value === size)) span.insertAdjacentHTML("beforeend", `<option value="${size}" data-custom hidden>${size} steps</option>`);
+    span.value = size;
     $("memory-prev").disabled = a === 0;
     $("memory-next").disabled = b === this.steps.length - 1;
     const rows = pools.map(({ pool, p, planned }) => ({ pool, planned, peaks: { ...p.stepPeaks, "-1": p.setupPeak } }));
