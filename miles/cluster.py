@@ -11,28 +11,14 @@ from pathlib import Path
 from miles.config import RunConfig
 from miles.handoff import TRAIN_ALL
 from miles.plan_executor import PlanExecutor
+from miles.preflight import check_environment
+from miles.ray_logs import drop_reported_tracebacks, quiet_startup_warnings
 from miles.threads import actor_options
 from miles.train.actor import TrainGroup, resolve_device
 
 log = logging.getLogger("miles")
 
 PG_READY_TIMEOUT_S = {"local": 120.0, "cluster": 1800.0}  # a joined cluster may be starting nodes (autoscaler)
-
-
-def check_device(cfg: RunConfig) -> None:
-    """Refuse device=cuda on a machine without enough CUDA devices when Ray would run here (no ray_address):
-    the placement group would wait for a GPU that never comes."""
-    import torch
-
-    if cfg.device != "cuda" or cfg.ray_address:
-        return
-    have, need = (torch.cuda.device_count() if torch.cuda.is_available() else 0), cfg.trainer.world_size
-    if have < need:
-        raise ValueError(
-            f"device = 'cuda' needs {need} CUDA device(s) (trainer.world_size = {need}) but this machine has {have} "
-            "and ray_address is empty (Ray runs here); use device=cpu (or auto), or ray_address=... to join a "
-            "cluster that has the GPUs"
-        )
 
 
 def wait_for_placement_group(pg, bundles: list[dict], timeout_s: float) -> None:
@@ -74,6 +60,7 @@ def start_ray(address: str = "", *, num_cpus: int | None = None, threads: int = 
     # a Ray started here runs its workers with this process's environment, so the variables go there (the
     # runtime-env agent would set itself up before the first actor); a cluster joined gets them as a runtime_env
     local = not (address or os.environ.get("RAY_ADDRESS"))
+    quiet_startup_warnings()  # Ray's token-auth and SIGTERM-handler warnings (miles.ray_logs)
     if local:  # and its processes skip a slow optional import (miles/ray_path; miles bench startup)
         env["PYTHONPATH"] = os.pathsep.join([str(RAY_PATH), env["PYTHONPATH"]])
     for attempt in range(3):  # Ray's own wait for the node to register is a fixed 30 s; retry on a loaded machine
@@ -87,6 +74,7 @@ def start_ray(address: str = "", *, num_cpus: int | None = None, threads: int = 
                     log_to_driver=True,
                     runtime_env=None if local else {"env_vars": env},
                 )
+            drop_reported_tracebacks()  # an actor's constructor error is reported once, by the driver
             return
         except Exception as e:
             if "timed out during startup" not in str(e) or attempt == 2:
@@ -163,7 +151,7 @@ class Cluster(PlanExecutor):
         from miles.rollout.manager import RolloutManager
 
         self.cfg = cfg
-        check_device(cfg)  # before Ray starts: a missing GPU would make the placement group wait forever
+        check_environment(cfg)  # before Ray starts: GPUs, SGLang, the model's files (miles.preflight)
         self.owns_ray = not ray.is_initialized()
         if self.owns_ray:
             start_ray(

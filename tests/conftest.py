@@ -48,6 +48,7 @@ PROCS = {  # test files that start Ray, child processes, process groups or HTTP 
     "test_cli.py",
     "test_cluster_start.py",
     "test_driver.py",
+    "test_ray_errors.py",
     "test_threads.py",
     "train/test_fsdp2.py",
 }

@@ -236,3 +236,19 @@ def test_plan_ends_with_a_line_that_agrees_with_its_exit_status_and_names_where_
     # the peak is a row of the table: the train step's resident bytes and its working set (U10)
     assert "device 197.8 GiB/GPU at train: trainer.train_step" in peaks
     assert re.search(r"train +trainer\.train_step +0\.0 KiB +0\.000 +197\.8 GiB\*", over.stdout)
+
+
+def test_a_missing_sglang_is_one_line_with_the_install_hint_before_ray_starts(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text("{}")
+    r = miles(
+        "train",
+        "--set",
+        "rollout.engine=sglang",
+        f"model.checkpoint={ckpt}",
+        "rollout.sglang_launcher=nosuchpkg.launch_server",
+        f"run_dir={tmp_path / 'run'}",
+    )
+    _one_line_error(r, EXIT_BAD_INPUT, "nosuchpkg is not installed here: pip install 'miles[sglang]'")
+    assert "Ray" not in r.stderr and "pid=" not in r.stderr  # refused before a cluster started

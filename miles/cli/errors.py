@@ -15,7 +15,7 @@ import re
 EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 1, 2, 130
 BAD_INPUT = (ValueError, OverflowError, ImportError, FileNotFoundError, NotADirectoryError, IsADirectoryError)
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
-PROCTITLE = re.compile(r"ray::([\w.]+)\(")  # "ray::RolloutManager.__init__() (pid=...)" in Ray's message
+PROCTITLE = re.compile(r"ray::([\w.]+)")  # "ray::RolloutManager.__init__() (pid=...)": the worker's process title
 
 
 def explain(e: BaseException) -> tuple[int | None, str]:
@@ -66,12 +66,13 @@ def _is_task_error(e) -> bool:
 
 
 def _function(task_error) -> str:
-    """The actor method or task of a RayTaskError ("RolloutManager.__init__"), from its field or its message."""
+    """The actor method or task of a RayTaskError ("RolloutManager.__init__"): from the worker's process title
+    (which names the class), else its function name."""
+    for text in (getattr(task_error, "proctitle", None), str(task_error)):
+        if isinstance(text, str) and (m := PROCTITLE.search(ANSI.sub("", text))):
+            return m.group(1)
     name = getattr(task_error, "function_name", None)
-    if isinstance(name, str) and name:
-        return name
-    m = PROCTITLE.search(ANSI.sub("", str(task_error)))
-    return m.group(1) if m else ""
+    return name if isinstance(name, str) else ""
 
 
 def _text(e: BaseException) -> str:

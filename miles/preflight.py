@@ -1,0 +1,78 @@
+"""What a run needs from this machine, checked before Ray starts, each refusal with its fix: the GPUs of
+``device=cuda``, SGLang for ``rollout.engine=sglang`` when miles launches the servers, the checkpoint and the
+tokenizer the model names (and transformers to read an HF tokenizer).
+
+Without these checks the same mistakes surface inside a Ray actor after its start-up (16 s for a missing
+SGLang), or as a placement group that waits forever for a GPU. A run that joins a cluster (``ray_address``)
+is checked only for what this machine decides: its actors run on other nodes, with their own packages and files.
+
+    check_environment(cfg)      # raises ValueError / ImportError / FileNotFoundError naming the field and the fix
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+
+def check_environment(cfg) -> None:
+    """Every check below, for a RunConfig ``cfg``."""
+    if cfg.ray_address:
+        return
+    check_device(cfg)
+    check_sglang_installed(cfg)
+    check_model_files(cfg)
+
+
+def check_device(cfg) -> None:
+    """Refuse device=cuda on a machine without enough CUDA devices when Ray would run here (no ray_address):
+    the placement group would wait for a GPU that never comes."""
+    if cfg.device != "cuda" or cfg.ray_address:
+        return
+    import torch
+
+    have, need = (torch.cuda.device_count() if torch.cuda.is_available() else 0), cfg.trainer.world_size
+    if have < need:
+        raise ValueError(
+            f"device = 'cuda' needs {need} CUDA device(s) (trainer.world_size = {need}) but this machine has {have} "
+            "and ray_address is empty (Ray runs here); use device=cpu (or auto), or ray_address=... to join a "
+            "cluster that has the GPUs"
+        )
+
+
+def check_sglang_installed(cfg) -> None:
+    """rollout.engine=sglang launches ``python -m <rollout.sglang_launcher>`` here: its package must import."""
+    from miles.rollout.sglang_flags import STANDIN
+
+    r = cfg.rollout
+    if r.engine != "sglang" or r.engine_urls or r.sglang_launcher == STANDIN:
+        return
+    package = r.sglang_launcher.split(".")[0]
+    if importlib.util.find_spec(package) is None:
+        raise ImportError(
+            f"rollout.engine = 'sglang' launches `python -m {r.sglang_launcher}`, but {package} is not installed "
+            "here: pip install 'miles[sglang]' (a CUDA machine); or attach to running servers with "
+            "rollout.engine_urls=http://HOST:PORT, or on a CPU use rollout.sglang_launcher=miles-serve (the stand-in) "
+            "or rollout.engine=http"
+        )
+
+
+def check_model_files(cfg) -> None:
+    """model.checkpoint and an ``hf:`` model.tokenizer exist here; transformers is installed to read the latter."""
+    m = cfg.model
+    if m.checkpoint and not Path(m.checkpoint).exists():
+        raise FileNotFoundError(
+            f"model.checkpoint = {m.checkpoint!r} does not exist; give an HF directory (config.json + "
+            "*.safetensors) or a .gguf file, or leave it empty for a random init"
+        )
+    if m.tokenizer.startswith("hf:"):
+        path = m.tokenizer.removeprefix("hf:")
+        if not Path(path).exists():
+            raise FileNotFoundError(
+                f"model.tokenizer = {m.tokenizer!r}: {path!r} does not exist; name the checkpoint's directory or "
+                ".gguf file (hf:PATH), or use model.tokenizer=bytes"
+            )
+        if importlib.util.find_spec("transformers") is None:
+            raise ImportError(
+                f"model.tokenizer = {m.tokenizer!r} needs transformers: pip install transformers (or 'miles[dev]')"
+            )
