@@ -6,7 +6,9 @@ metric names, to TensorBoard event files (the `tensorboard` package) and to Weig
 
 
 Rows are keyed by their "step" (RL step); warm-up rows ("phase": "sft", keyed by "sft_step") are logged as
-"sft/<name>" so that their steps do not collide with the RL steps. One miles run is one wandb run: its id is kept in
+"sft/<name>" on an axis of their own: in TensorBoard a run of their own (run_dir/tensorboard/sft, x = sft_step),
+in wandb the step metric sft_step, so neither axis goes back (the warm-up's steps 0-24 and then RL step 0 in one
+event file read as out of order). One miles run is one wandb run: its id is kept in
 ``run_dir/wandb_run_id`` and a resumed run logs into it again (RunDir drops the id with the logs on a fresh start).
 """
 
@@ -58,19 +60,29 @@ def scalars(row: dict) -> tuple[int, dict[str, float]]:
 
 
 class TensorBoardTracker:
+    """RL and eval rows in run_dir/tensorboard (x: the RL step); warm-up rows in run_dir/tensorboard/sft, which
+    TensorBoard shows as the run "sft" (x: the warm-up step), opened at the first warm-up row."""
+
     def __init__(self, run_dir: Path):
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+        self.root = run_dir / "tensorboard"
+        self.writers = {"rl": SummaryWriter(log_dir=str(self.root))}
 
     def log(self, row: dict) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        axis = "sft" if row.get("phase") == "sft" else "rl"
+        if axis not in self.writers:
+            self.writers[axis] = SummaryWriter(log_dir=str(self.root / axis))
         step, values = scalars(row)
         for k, v in values.items():
-            self.writer.add_scalar(k, v, global_step=step)
-        self.writer.flush()
+            self.writers[axis].add_scalar(k, v, global_step=step)
+        self.writers[axis].flush()
 
     def close(self) -> None:
-        self.writer.close()
+        for w in self.writers.values():
+            w.close()
 
 
 class WandbTracker:

@@ -29,9 +29,32 @@ def test_tensorboard_gets_every_metrics_row_under_the_jsonl_names(tmp_path):
     jsonl = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert jsonl[:4] == rows
     acc = EventAccumulator(str(tmp_path / "tensorboard")).Reload()
-    assert set(acc.Tags()["scalars"]) == {"sft/loss", "eval/all/mean@4", "eval/all/num_problems", "reward", "time/step"}
+    assert set(acc.Tags()["scalars"]) == {"eval/all/mean@4", "eval/all/num_problems", "reward", "time/step"}
     assert [(e.step, e.value) for e in acc.Scalars("reward")] == [(0, 0.5), (1, 0.75)]
     assert [(e.step, e.value) for e in acc.Scalars("eval/all/mean@4")] == [(0, 0.25)]
+    sft = EventAccumulator(str(tmp_path / "tensorboard" / "sft")).Reload()  # the warm-up: a run of its own
+    assert [(e.step, e.value) for e in sft.Scalars("sft/loss")] == [(0, 2.0)]
+
+
+def test_tensorboard_keeps_the_warmup_on_its_own_axis_so_no_step_goes_back(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing import event_file_inspector as inspector
+
+    run = RunDir(tmp_path)
+    with Trackers.open(LogConfig(trackers=("jsonl", "tensorboard")), run):
+        for i in range(25):  # the quickstart's 25 warm-up steps, then RL steps from 0
+            run.append_metrics({"phase": "sft", "sft_step": i, "loss": 2.0 - i / 25})
+        for i in range(5):
+            run.append_metrics({"step": i, "reward": i / 5})
+    for d in (tmp_path / "tensorboard", tmp_path / "tensorboard" / "sft"):
+        for f in d.glob("events.out.tfevents.*"):
+            inspection = inspector.get_inspection_units(logdir=str(d), event_file=str(f))
+            assert all(not u.field_to_obs["scalars"] or _monotone(u) for u in inspection), f
+
+
+def _monotone(unit) -> bool:
+    steps = [o["step"] for o in unit.field_to_obs["scalars"]]
+    return all(a <= b for a, b in zip(steps, steps[1:]))
 
 
 def test_scalars_keep_numbers_only_and_put_warmup_rows_under_sft():

@@ -11,7 +11,8 @@ from miles.data.verify import REWARDS
 @dataclass(kw_only=True, slots=True)
 class DataConfig:
     # comma-separated datasets: a .jsonl or .parquet file, or a `datasets` save_to_disk directory ('dir::split'
-    # picks a split of a DatasetDict); 'name=path' names one (default name: the file stem). "" = use `task`
+    # picks a split of a DatasetDict); 'name=path' names one (default: the file stem; eval.jsonl in data/ is
+    # data_eval, so no metric reads eval/eval/...). "" = use `task`
     train: str = ""
     eval: str = ""  # held-out datasets, same forms; scored every eval.every steps, never trained on
     prompt_key: str = "prompt"  # column holding the prompt text
@@ -75,8 +76,13 @@ class EvalConfig:
             raise ValueError(f"eval.temperature = {self.temperature} must be > 0 (greedy decoding is eval.greedy)")
 
 
+# dataset names that read wrong in the metric names eval/<name>/...
+RESERVED_NAMES = {"eval": "eval/eval/... doubles the prefix", "all": "eval/all/... is every dataset together"}
+
+
 def parse_specs(spec: str, field: str = "train") -> list[tuple[str, str]]:
-    """'a.jsonl, math=b.parquet' -> [('a', 'a.jsonl'), ('math', 'b.parquet')]; names must be distinct."""
+    """'a.jsonl, math=b.parquet' -> [('a', 'a.jsonl'), ('math', 'b.parquet')]; names must be distinct. A file
+    named like a reserved name takes its folder's name in front: 'data/eval.jsonl' -> 'data_eval'."""
     out = []
     for item in (s.strip() for s in spec.split(",")):
         if not item:
@@ -84,7 +90,15 @@ def parse_specs(spec: str, field: str = "train") -> list[tuple[str, str]]:
         name, sep, path = item.partition("=")
         if not sep:
             path = name
-            name = Path(path.split("::")[0].rstrip("/")).name.removesuffix(".jsonl").removesuffix(".parquet")
+            file = Path(path.split("::")[0].rstrip("/"))
+            name = file.name.removesuffix(".jsonl").removesuffix(".parquet")
+            if name in RESERVED_NAMES:
+                name = f"{file.absolute().parent.name or 'data'}_{name}"
+        elif name.strip() in RESERVED_NAMES:
+            raise ValueError(
+                f"data.{field} = {spec!r} names a dataset {name.strip()!r} ({RESERVED_NAMES[name.strip()]}); "
+                f"name it otherwise, e.g. heldout={path.strip()}"
+            )
         out.append((name.strip(), path.strip()))
     names = [n for n, _ in out]
     if len(set(names)) != len(names):

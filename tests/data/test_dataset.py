@@ -77,6 +77,16 @@ def test_a_missing_dataset_file_is_refused_when_the_config_is_built(tmp_path):
         parse_specs("x/a.jsonl,y/a.jsonl")
 
 
+def test_a_dataset_file_named_eval_or_all_takes_its_folders_name_so_no_metric_reads_eval_eval(tmp_path):
+    assert parse_specs("runs/splits/eval.jsonl, data/all.parquet, b.jsonl", "eval") == [
+        ("splits_eval", "runs/splits/eval.jsonl"),
+        ("data_all", "data/all.parquet"),
+        ("b", "b.jsonl"),
+    ]
+    with pytest.raises(ValueError, match=r"names a dataset 'all' \(eval/all/... is every dataset together\)"):
+        parse_specs("all=x.jsonl", "eval")
+
+
 def test_the_order_is_a_seeded_shuffle_that_visits_every_row_once_per_epoch(tmp_path):
     rows, _ = load_rows("d", write_jsonl(tmp_path / "d.jsonl", ROWS), cfg())
     a, b, c = PromptDataset(rows, seed=1), PromptDataset(rows, seed=1), PromptDataset(rows, seed=2)
