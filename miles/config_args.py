@@ -44,7 +44,7 @@ def recipe_names() -> list[str]:
 
 
 def add_config_args(p: argparse.ArgumentParser) -> None:
-    """--recipe, --config, --set and --print-config on ``p``."""
+    """--recipe, --config, --model, --set and --print-config on ``p``."""
     p.add_argument(
         "--recipe",
         default=None,
@@ -57,6 +57,14 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help="a config file (.toml, .yaml or .json; a run's config.json too) on top of the recipe; "
         "--print-config writes one",
+    )
+    p.add_argument(
+        "--model",
+        default="",
+        metavar="PATH",
+        help="the model: an HF directory (config.json, *.safetensors, tokenizer files) or a .gguf file; its "
+        "architecture and tokenizer replace the recipe's (--set model.checkpoint=PATH; miles plan on a recipe that "
+        "plans with handoff.plan_model: that field)",
     )
     p.add_argument(
         "--set",
@@ -74,11 +82,12 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def config_from_args(args: argparse.Namespace, extra: list[str] = ()):
-    """The RunConfig of the command line: recipe, then the config file, then ``--set`` (and ``extra`` after)."""
+def config_from_args(args: argparse.Namespace, extra: list[str] = (), *, plan: bool = False):
+    """The RunConfig of the command line: recipe, then the config file, then ``--model`` (``plan``: as
+    handoff.plan_model where the recipe plans with one), then ``--set`` (and ``extra`` after)."""
     from miles.config_file import load_run_config
 
-    return load_run_config(args.recipe, args.config, list(args.set) + list(extra))
+    return load_run_config(args.recipe, args.config, list(args.set) + list(extra), model=args.model, plan=plan)
 
 
 def config_listing(cfg, args: argparse.Namespace, prog: str) -> str:
@@ -86,6 +95,7 @@ def config_listing(cfg, args: argparse.Namespace, prog: str) -> str:
     from miles.config_doc import config_toml
 
     parts = [prog] + [f"--recipe {args.recipe}"] * bool(args.recipe) + [f"--config {args.config}"] * bool(args.config)
+    parts += [f"--model {args.model}"] * bool(args.model)
     parts += [f"--set {s}" for s in args.set]
     header = (
         f"{' '.join(parts)}\n"

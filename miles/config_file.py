@@ -93,8 +93,11 @@ def base_recipe(recipe: str | None, file_fields: dict) -> str:
     return DEFAULT_RECIPE
 
 
-def load_run_config(recipe: str | None = None, config_file: str = "", overrides: list[str] = ()):
-    """The RunConfig of a command line: the recipe, the config file's fields on it, then ``--set``."""
+def load_run_config(
+    recipe: str | None = None, config_file: str = "", overrides: list[str] = (), *, model: str = "", plan: bool = False
+):
+    """The RunConfig of a command line: the recipe, the config file's fields on it, then ``--model`` (the model's
+    checkpoint; ``plan``: handoff.plan_model instead where the recipe plans with one), then ``--set``."""
     from miles.config import apply_overrides, apply_values
     from miles.recipes import get_recipe
 
@@ -102,7 +105,10 @@ def load_run_config(recipe: str | None = None, config_file: str = "", overrides:
     cfg = get_recipe(base_recipe(recipe, fields))
     if fields:
         try:
-            cfg = apply_values(cfg, flatten(fields))
+            cfg = apply_values(cfg, flatten(fields), repeats_are_choices=False)  # --print-config lists them all
         except ValueError as e:
             raise ValueError(f"--config {config_file}: {e}") from None
+    if model:  # before --set, so that a --set model.X= is held against the checkpoint
+        field = "handoff.plan_model" if plan and cfg.handoff.plan_model else "model.checkpoint"
+        overrides = [f"{field}={model}", *overrides]
     return apply_overrides(cfg, list(overrides))

@@ -104,9 +104,12 @@ def apply_overrides(cfg, overrides: list[str]):
     return apply_values(cfg, pairs)
 
 
-def apply_values(cfg, pairs: list[tuple[str, object]]):
+def apply_values(cfg, pairs: list[tuple[str, object]], *, repeats_are_choices: bool = True):
     """Return a new config with ``[("section.field", value), ...]`` applied and validated; a value is a string
-    (parsed as ``--set`` does) or a typed one (a config file's number, boolean or list)."""
+    (parsed as ``--set`` does) or a typed one (a config file's number, boolean or list). When a ``model.`` field
+    is set and the model has a checkpoint, the model is the checkpoint's: its architecture replaces the recipe's,
+    and a ``model.`` value that contradicts it is refused (``repeats_are_choices=False``, for a config file that
+    lists every field: only a value that differs from ``cfg``'s counts as one set against the checkpoint)."""
     root = type(cfg)
     d = cfg.to_dict()
     for key, value in pairs:
@@ -137,7 +140,19 @@ def apply_values(cfg, pairs: list[tuple[str, object]]):
         and m.head_dim == m.hidden_size // m.num_attention_heads
     ):
         d["model"]["head_dim"] = 0  # it was derived from the old width: derive it again from the new one
+    if m is not None and d["model"]["checkpoint"] and any(k.startswith("model.") for k in keys):
+        d["model"] = _checkpoint_model(m, d["model"], keys, repeats_are_choices)
     return build(root, d)
+
+
+def _checkpoint_model(before, model: dict, keys: set[str], repeats_are_choices: bool) -> dict:
+    """``model.checkpoint`` means "this model" (miles.model.from_checkpoint): the model section rebuilt from the
+    checkpoint, the values set here held against it."""
+    from miles.model.from_checkpoint import model_from_checkpoint
+
+    names = [k.removeprefix("model.") for k in keys if k.startswith("model.")]
+    explicit = {k: model[k] for k in names if repeats_are_choices or model[k] != getattr(before, k)}
+    return model_from_checkpoint(model, explicit).as_dict()
 
 
 def field_paths(cls, prefix: str = "") -> list[str]:

@@ -27,6 +27,7 @@ examples:
   miles plan --recipe gb300_kimi_k2_plan --hardware h200 --mode auto  what 'auto' would pick, and why
   miles plan --set trainer.world_size=8 handoff.offload_train=disk --json
   miles plan --set handoff.plan_model=path/to/config.json          size any HF config (dense, MoE, MLA)
+  miles plan --model path/to/hf_dir                                the embedded decoder built from that checkpoint
 
 exit status: 0 when a planned order fits, 3 when none does, 2 for bad input."""
 
@@ -78,7 +79,7 @@ def parser() -> ArgParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(sys.argv[1:] if argv is None else argv)
-    cfg = config_from_args(args)
+    cfg = config_from_args(args, plan=True)
     if args.print_config:
         return print_config(cfg, args, "miles plan")
     from miles.hardware import get_profile

@@ -1,6 +1,6 @@
 """What a run needs from this machine, checked before Ray starts, each refusal with its fix: the GPUs of
-``device=cuda``, SGLang for ``rollout.engine=sglang`` when miles launches the servers, the checkpoint and the
-tokenizer the model names (and transformers to read an HF tokenizer).
+``device=cuda``, SGLang for ``rollout.engine=sglang`` when miles launches the servers, the checkpoint (its tensors
+the model's) and the tokenizer the model names (and transformers to read an HF tokenizer).
 
 Without these checks the same mistakes surface inside a Ray actor after its start-up (16 s for a missing
 SGLang), or as a placement group that waits forever for a GPU. A run that joins a cluster (``ray_address``)
@@ -58,13 +58,18 @@ def check_sglang_installed(cfg) -> None:
 
 
 def check_model_files(cfg) -> None:
-    """model.checkpoint and an ``hf:`` model.tokenizer exist here; transformers is installed to read the latter."""
+    """model.checkpoint and an ``hf:`` model.tokenizer exist here; transformers is installed to read the latter;
+    the checkpoint's tensors are the model's (names and shapes from the safetensors headers, no weight read)."""
     m = cfg.model
     if m.checkpoint and not Path(m.checkpoint).exists():
         raise FileNotFoundError(
             f"model.checkpoint = {m.checkpoint!r} does not exist; give an HF directory (config.json + "
             "*.safetensors) or a .gguf file, or leave it empty for a random init"
         )
+    if m.checkpoint:
+        from miles.model.from_checkpoint import check_weights_match
+
+        check_weights_match(m)
     if m.tokenizer.startswith("hf:"):
         path = m.tokenizer.removeprefix("hf:")
         if not Path(path).exists():

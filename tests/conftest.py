@@ -32,6 +32,7 @@ PROCS = {  # test files that start Ray, child processes, process groups or HTTP 
     "dashboard/test_dashboard_api.py",
     "dashboard/test_dashboard_guard.py",
     "model/test_smollm2.py",
+    "model/test_train_a_checkpoint.py",
     "optim/test_optim_offload_disk.py",
     "rollout/test_router_failover.py",
     "rollout/test_serve_connections.py",

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import json
 
 import pytest
 
@@ -13,10 +12,12 @@ from miles.recipes import quickstart
 
 
 def hf_dir(tmp_path):
-    """A directory that stands where an HF checkpoint would (the preflight checks that it is there)."""
+    """An HF checkpoint of the quickstart's model (the preflight checks its tensors against the model)."""
+    from miles.model.checkpoint import save_hf
+    from miles.model.decoder import build_decoder
+
     d = tmp_path / "ckpt"
-    d.mkdir()
-    (d / "config.json").write_text(json.dumps(quickstart().model.to_hf()))
+    save_hf(build_decoder(quickstart().model), d)
     return d
 
 

@@ -1,5 +1,6 @@
-"""Hugging Face checkpoint I/O: ``config.json`` + ``model.safetensors`` written atomically, and loading from
-an HF directory or a GGUF file (through transformers' GGUF reader, offline)."""
+"""Hugging Face checkpoint I/O: ``config.json`` + ``model.safetensors`` written atomically, and weights loaded
+from an HF directory (miles.model.shards) or a GGUF file (miles.model.gguf_file) into a decoder, refusing what
+would train silently wrong: a missing, extra or reshaped tensor, an untied lm_head into a tied model, NaN or inf."""
 
 from __future__ import annotations
 
@@ -11,7 +12,11 @@ import torch
 from safetensors.torch import load_file, save
 
 from miles.atomic import atomic_write_bytes, atomic_write_text
-from miles.model.config import ModelConfig
+from miles.model.gguf_file import read_gguf
+from miles.model.shards import INDEX, shard_files, weight_map
+
+# buffers some checkpoints carry that the decoder computes itself
+IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
 
 def save_hf(model, directory: str | os.PathLike) -> None:
@@ -24,80 +29,73 @@ def save_hf(model, directory: str | os.PathLike) -> None:
 def read_hf_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     p = Path(path)
     if p.suffix == ".gguf":
-        return _read_gguf(p)
-    index = p / "model.safetensors.index.json"
-    if index.exists():  # a sharded checkpoint: the index names the file of every tensor
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = sorted({p / f for f in weight_map.values()})
-        absent = [f.name for f in files if not f.exists()]
-        if absent:
-            raise FileNotFoundError(f"{index} lists shards that are not in {p}: {absent}; copy the whole checkpoint")
-    else:
-        files = sorted(p.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors in {p}; expected a Hugging Face style checkpoint directory")
+        return read_gguf(p)
     sd = {}
-    for f in files:
+    for f in shard_files(p):
         sd.update(load_file(f))
-    if index.exists():
-        lost = sorted(set(weight_map) - set(sd))
+    if (p / INDEX).exists():
+        lost = sorted(set(weight_map(p / INDEX)) - set(sd))
         if lost:
-            raise KeyError(f"{index} maps {len(lost)} tensors that its shards lack, e.g. {lost[:3]}")
+            raise KeyError(f"{p / INDEX} maps {len(lost)} tensors that its shards lack, e.g. {lost[:3]}")
     return sd
 
 
-def _read_gguf(path: Path) -> dict[str, torch.Tensor]:
-    """Dequantized FP32 weights of a GGUF file, cached as safetensors: dequantizing through transformers takes
-    minutes on a small CPU, and every engine and trainer process of a run reads the same file."""
-    st = path.stat()
-    cache = Path(os.environ.get("MILES_CACHE_DIR", Path.home() / ".cache" / "miles")) / "gguf"
-    cached = cache / f"{path.stem}-{st.st_size}-{int(st.st_mtime)}.safetensors"
-    if cached.exists():
-        return load_file(cached)
-    try:
-        from transformers import AutoModelForCausalLM
-    except ImportError as e:  # pragma: no cover
-        raise ImportError("loading a .gguf checkpoint needs transformers and gguf: pip install 'miles[dev]'") from e
-    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    sd, seen = {}, set()
-    for k, v in hf.state_dict().items():  # a tied lm_head shares the embedding's storage: keep the first name only
-        if v.data_ptr() not in seen:
-            seen.add(v.data_ptr())
-            sd[k] = v.detach().contiguous()
-    atomic_write_bytes(cached, save(sd, metadata={"format": "pt", "source": str(path)}))
-    return sd
+def expected_tensors(model, found: dict) -> tuple[list[str], list[str], list[str]]:
+    """(missing, unexpected, reshaped) names of the checkpoint tensors ``found`` (name -> tensor or shape) against
+    the decoder's parameters; a tied lm_head may be absent or present (its values are compared at load)."""
+    tied = model.config.tie_word_embeddings
+    own = {k: tuple(p.shape) for k, p in model.named_parameters(remove_duplicate=False)}
+    optional = {"lm_head.weight"} if tied else set()
+    missing = [k for k in own if k not in found and k not in optional]
+    unexpected = sorted(k for k in found if k not in own and not k.endswith(IGNORED_SUFFIXES))
+    shape = lambda t: tuple(t.shape) if hasattr(t, "shape") else tuple(t)
+    reshaped = [f"{k} {shape(found[k])} (expected {own[k]})" for k in own if k in found and shape(found[k]) != own[k]]
+    return missing, unexpected, reshaped
+
+
+def mismatch_message(path, missing, unexpected, reshaped) -> str:
+    parts = [f"lacks {len(missing)} tensors, e.g. {missing[:3]}"] if missing else []
+    parts += [f"has {len(unexpected)} tensors the model does not, e.g. {unexpected[:3]}"] if unexpected else []
+    parts += [f"has {len(reshaped)} tensors of another shape, e.g. {reshaped[:2]}"] if reshaped else []
+    return f"checkpoint {path} {'; '.join(parts)}"
 
 
 def load_weights(model, path: str | os.PathLike) -> None:
     sd = read_hf_state_dict(path)
-    own = dict(model.named_parameters())
-    missing = [k for k in own if k not in sd and not (k == "lm_head.weight" and model.config.tie_word_embeddings)]
-    if missing:
-        raise KeyError(
-            f"checkpoint {path} lacks {len(missing)} tensors, e.g. {missing[:3]}; is it the same architecture?"
+    missing, unexpected, reshaped = expected_tensors(model, sd)
+    if missing or unexpected or reshaped:
+        raise ValueError(
+            f"{mismatch_message(path, missing, unexpected, reshaped)}; is it the same architecture? A run's model "
+            "is read from the checkpoint when model.checkpoint is set with --model or --set (or built with "
+            "config_from_checkpoint)"
         )
+    if model.config.tie_word_embeddings and "lm_head.weight" in sd:
+        if not torch.equal(sd["lm_head.weight"], sd["model.embed_tokens.weight"]):
+            raise ValueError(
+                f"checkpoint {path} has its own lm_head.weight, unlike its embeddings, but the model ties them "
+                "(tie_word_embeddings = true) and would drop it: set tie_word_embeddings to false (in its "
+                "config.json or model.tie_word_embeddings)"
+            )
+    own = dict(model.named_parameters())
     with torch.no_grad():
         for name, p in own.items():
             if name in sd:
-                t = sd[name]
-                if tuple(t.shape) != tuple(p.shape):
-                    raise ValueError(
-                        f"checkpoint tensor {name} has shape {tuple(t.shape)}, the model expects {tuple(p.shape)}"
-                    )
-                p.copy_(t.to(p.dtype))
+                p.copy_(sd[name].to(p.dtype))
+    refuse_non_finite(own, path)
 
 
-def config_from_checkpoint(path: str | os.PathLike, **overrides) -> ModelConfig:
-    """The decoder config of an HF directory or a GGUF file; its tokenizer and chat template come from the same
-    place when it has one (``tokenizer.json`` / ``tokenizer_config.json``, or the GGUF's own), unless overridden."""
-    p = Path(path)
-    has_tokenizer = p.suffix == ".gguf" or any((p / f).exists() for f in ("tokenizer.json", "tokenizer_config.json"))
-    if has_tokenizer:
-        overrides.setdefault("tokenizer", f"hf:{p}")
-    if p.suffix == ".gguf":
-        from transformers import AutoConfig
-
-        hf = AutoConfig.from_pretrained(str(p.parent), gguf_file=p.name).to_dict()
-    else:
-        hf = json.loads((p / "config.json").read_text())
-    return ModelConfig.from_hf(hf, checkpoint=str(p), **overrides)
+def refuse_non_finite(params: dict, path) -> None:
+    """A NaN or inf weight makes every logit NaN downstream (and NaN gradients from then on): nothing a run could
+    learn from, so the checkpoint is refused rather than warned about. A NaN or inf anywhere makes a tensor's sum
+    non-finite, so one sum per tensor tells; the elementwise count runs only then (finite weights whose sum
+    overflowed pass)."""
+    bad = []
+    for name, t in params.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t.sum())):
+            if n := int((~torch.isfinite(t)).sum()):
+                bad.append(f"{name} ({n} of {t.numel()})")
+    if bad:
+        raise ValueError(
+            f"checkpoint {path} has NaN or inf weights in {len(bad)} tensors, e.g. {bad[:3]}: it is damaged or "
+            "was saved after training diverged; use an earlier or another copy"
+        )

@@ -7,11 +7,12 @@ biases) and Qwen3 (per-head q/k RMSNorm, no attention bias). ``from_hf`` refuses
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
 from miles.config_check import check, require_finite
+from miles.model.config_json import HF_CLASSES, decoder_fields
 
 
 @dataclass(kw_only=True, slots=True)
@@ -31,12 +32,12 @@ class ModelConfig:
     rope_high_freq_factor: float = 4.0  # llama3 scaling: wavelengths below original / this are kept
     rope_original_max_position_embeddings: int = 8192  # llama3 scaling: the context the model was trained at
     rms_norm_eps: float = 1e-6  # RMSNorm's epsilon
-    max_position_embeddings: int = 512  # longest sequence, prompt and completion together
+    max_position_embeddings: int = 512  # longest sequence, prompt and completion together (at most the checkpoint's)
     tie_word_embeddings: bool = True  # the output head shares the embedding matrix
     attention_bias: bool = True  # Qwen2 has q/k/v biases; Llama and Qwen3 have none
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # the weights' dtype
     init_std: float = 0.02  # random init: the normal's standard deviation
-    checkpoint: str = ""  # HF-style directory (config.json + *.safetensors) or a .gguf file; "" = random init
+    checkpoint: str = ""  # HF directory or .gguf file (--model): the model then is its, tokenizer too; "" = random init
     tokenizer: str = "bytes"  # "bytes" (built in) or "hf:<dir-or-gguf>" (needs transformers)
 
     def __post_init__(self):
@@ -129,67 +130,23 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf: dict | str | Path, **overrides) -> "ModelConfig":
-        """From a ``config.json`` (dict or path); refuses an architecture or option the decoder does not implement."""
-        if not isinstance(hf, dict):
-            hf = json.loads(Path(hf).read_text())
-        arch = _family(hf)
-        known = {f.name for f in fields(cls)}
-        kw = {k: v for k, v in hf.items() if k in known and k not in ("architecture", "dtype")}
-        kw["architecture"] = arch
-        kw["attention_bias"] = hf.get("attention_bias", arch == "qwen2")
-        kw["head_dim"] = hf.get("head_dim") or 0
-        kw.update(_rope_fields(hf))
-        kw.update(overrides)
-        return cls(**kw)
+        """From a ``config.json`` (dict or path), every field type-checked (miles.model.config_json); refuses an
+        architecture or option the decoder does not implement. ``overrides`` replace fields as given (no check
+        against the file: miles.model.from_checkpoint does that for a run's model)."""
+        source = str(hf) if isinstance(hf, str | Path) else "config.json"
+        if isinstance(hf, str | Path):
+            hf = read_json(hf)
+        return cls(**(decoder_fields(hf, source) | overrides))
 
     def as_dict(self) -> dict:
         return asdict(self)
 
 
-HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-SUPPORTED = "Llama (LlamaForCausalLM, incl. Llama 3.x rope_type llama3 and SmolLM2), Qwen2/2.5 (Qwen2ForCausalLM), Qwen3 (Qwen3ForCausalLM)"
-
-
-def _family(hf: dict) -> str:
-    model_type = hf.get("model_type", "llama")
-    names = hf.get("architectures") or []
-    if model_type not in HF_CLASSES or any(n != HF_CLASSES[model_type] for n in names):
-        what = f"architecture {', '.join(names)} with " if names else ""
-        raise ValueError(
-            f"{what}model_type {model_type!r} is not supported by the embedded decoder; supported: {SUPPORTED}"
-        )
-    names = names or [HF_CLASSES[model_type]]
-    unsupported = {
-        "hidden_act": hf.get("hidden_act", "silu") != "silu",
-        "mlp_bias": bool(hf.get("mlp_bias")),
-        "use_sliding_window": bool(hf.get("use_sliding_window")),
-    }
-    bad = [k for k, v in unsupported.items() if v]
-    if bad:
-        raise ValueError(
-            f"{names[0]} with {', '.join(f'{k}={hf.get(k)!r}' for k in bad)} is not supported by the embedded "
-            "decoder (it implements SiLU MLPs without bias and full attention)"
-        )
-    return model_type
-
-
-def _rope_fields(hf: dict) -> dict:
-    """RoPE settings from either spelling: ``rope_scaling`` (transformers 4) or ``rope_parameters`` (5)."""
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    out = {}
-    if "rope_theta" not in hf and "rope_theta" in rope:
-        out["rope_theta"] = rope["rope_theta"]
-    if kind == "llama3":
-        out |= {
-            "rope_type": "llama3",
-            "rope_factor": rope["factor"],
-            "rope_low_freq_factor": rope["low_freq_factor"],
-            "rope_high_freq_factor": rope["high_freq_factor"],
-            "rope_original_max_position_embeddings": rope["original_max_position_embeddings"],
-        }
-    elif kind != "default":
-        raise ValueError(
-            f"rope_type {kind!r} is not supported by the embedded decoder; it implements 'default' and 'llama3'"
-        )
-    return out
+def read_json(path: str | Path):
+    """A config.json parsed, or a ValueError naming the file and where it stops being JSON."""
+    try:
+        return json.loads(Path(path).read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON ({e}); use the config.json the model was saved with") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{path} is not UTF-8 text; use the config.json the model was saved with") from None

@@ -6,6 +6,9 @@ per-token display strings for the dashboard.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 SPECIALS = ("<pad>", "<bos>", "<eos>", "<|im_start|>", "<|im_end|>", "<tool>", "<unk>", "<sep>")
 
 
@@ -141,3 +144,32 @@ def load_tokenizer(spec: str):
     if spec.startswith("hf:"):
         return HFTokenizer(spec)
     raise ValueError(f"model.tokenizer = {spec!r} is not known; use 'bytes' or 'hf:<dir or .gguf file>'")
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def has_own_tokenizer(checkpoint: str) -> bool:
+    """Whether a checkpoint carries its tokenizer: a GGUF file does (its metadata), an HF directory when it has
+    tokenizer.json or tokenizer_config.json."""
+    p = Path(checkpoint)
+    return p.suffix == ".gguf" or any((p / f).is_file() for f in TOKENIZER_FILES)
+
+
+def tokenizer_size(spec: str) -> int | None:
+    """How many ids the tokenizer ``spec`` produces (its largest id + 1), from its files without loading it;
+    None where only loading it would tell (a GGUF file, a tokenizer without tokenizer.json)."""
+    if spec == "bytes":
+        return ByteTokenizer().vocab_size
+    path = Path(spec.removeprefix("hf:")) / "tokenizer.json"
+    if not spec.startswith("hf:") or not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except (ValueError, OSError):
+        return None  # loading it will say what is wrong, with transformers' words
+    vocab = (data.get("model") or {}).get("vocab") if isinstance(data, dict) else None
+    ids = list(vocab.values()) if isinstance(vocab, dict) else list(range(len(vocab or [])))
+    ids += [t.get("id") for t in data.get("added_tokens") or [] if isinstance(t, dict)]
+    ids = [i for i in ids if isinstance(i, int) and not isinstance(i, bool)]
+    return max(ids) + 1 if ids else None

@@ -1,9 +1,10 @@
 import pytest
 import torch
 
-from miles.model.checkpoint import config_from_checkpoint, save_hf
+from miles.model.checkpoint import save_hf
 from miles.model.config import ModelConfig
 from miles.model.decoder import KVCache, build_decoder
+from miles.model.from_checkpoint import config_from_checkpoint
 
 
 @pytest.mark.parametrize("arch, tied", [("qwen2", True), ("llama", False)])

@@ -6,52 +6,16 @@ other architectures are refused by name."""
 import pytest
 import torch
 
-from miles.model.checkpoint import config_from_checkpoint, read_hf_state_dict
+from miles.config import apply_overrides
+from miles.model.checkpoint import read_hf_state_dict
 from miles.model.config import ModelConfig
 from miles.model.decoder import build_decoder
+from miles.model.from_checkpoint import config_from_checkpoint
+from miles.recipes import quickstart
+from tests.model.tiny_checkpoints import FAMILIES, SMALL, save_checkpoint, save_tokenizer
+from tests.model.tiny_checkpoints import hf_model as _hf_model
 
 transformers = pytest.importorskip("transformers")
-
-SMALL = dict(
-    vocab_size=97,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=128,
-    rms_norm_eps=1e-6,
-)
-FAMILIES = {
-    "llama": (transformers.LlamaConfig, dict(rope_theta=10000.0, tie_word_embeddings=False)),
-    "llama3": (
-        transformers.LlamaConfig,
-        dict(
-            rope_theta=500000.0,
-            rope_scaling={  # original context 16 << the 40 tokens tested: every frequency band is in play
-                "rope_type": "llama3",
-                "factor": 8.0,
-                "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 16,
-            },
-        ),
-    ),
-    "qwen2": (transformers.Qwen2Config, dict(rope_theta=1000000.0, tie_word_embeddings=True)),
-    "qwen3": (transformers.Qwen3Config, dict(head_dim=24, rope_theta=1000000.0, tie_word_embeddings=True)),
-    "smollm2": (transformers.LlamaConfig, dict(rope_theta=100000.0, tie_word_embeddings=True, num_key_value_heads=1)),
-}
-
-
-def _hf_model(family):
-    cls, extra = FAMILIES[family]
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cls(**{**SMALL, **extra}), dtype=torch.float32).eval()
-    with torch.no_grad():  # non-trivial norms and biases, so that a missing one shows
-        for name, p in model.named_parameters():
-            if "norm" in name or name.endswith("bias"):
-                p.add_(torch.randn_like(p) * 0.2)
-    return model
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -72,6 +36,24 @@ def test_our_decoder_matches_transformers_logits_for_each_family(tmp_path, famil
         )
         with torch.no_grad():
             assert (plain(ids) - theirs(ids).logits).abs().max() > 1e-3  # 100x the tolerance: the scaling matters
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama3"])
+def test_the_quickstart_given_a_checkpoint_is_that_model_logit_for_logit_with_its_tokenizer(tmp_path, family):
+    """`miles train --recipe quickstart --model PATH`'s model: the quickstart's Qwen2 (128 wide, 4 layers, tied,
+    rms_norm_eps 1e-6, rope_theta 1e4, byte tokenizer) gives way to the checkpoint's in every field."""
+    pytest.importorskip("tokenizers")
+    theirs = save_checkpoint(tmp_path, family)
+    cfg = apply_overrides(quickstart(), [f"model.checkpoint={tmp_path}"]).model
+    assert cfg.tokenizer == f"hf:{tmp_path}" and cfg.architecture == {"qwen3": "qwen3", "llama3": "llama"}[family]
+    assert cfg.max_position_embeddings == quickstart().model.max_position_embeddings  # the run's length is kept
+    ours = build_decoder(cfg).eval()
+    ids = torch.randint(0, SMALL["vocab_size"], (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids), theirs(ids).logits, atol=1e-5, rtol=0)
+    if family == "llama3":
+        assert cfg.rope_type == "llama3" and cfg.rms_norm_eps == 1e-5 and not cfg.tie_word_embeddings
+        assert torch.equal(ours.lm_head.weight, theirs.lm_head.weight)  # its own head, not the embeddings
 
 
 def test_a_sharded_checkpoint_missing_a_shard_is_refused_naming_it(tmp_path):
@@ -100,24 +82,9 @@ def test_unsupported_architectures_are_refused_naming_them_and_what_is_supported
 
 
 def test_the_tokenizer_and_chat_template_come_from_the_checkpoint(tmp_path):
-    tokenizers = pytest.importorskip("tokenizers")
+    pytest.importorskip("tokenizers")
     _hf_model("qwen2").save_pretrained(tmp_path)
-    # a byte-level BPE like Qwen's, trained here on a few lines (transformers rebuilds it as the Qwen2 tokenizer)
-    tok = tokenizers.Tokenizer(tokenizers.models.BPE())
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = tokenizers.decoders.ByteLevel()
-    trainer = tokenizers.trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tok.train_from_iterator(["user assistant hello world", "What is 2 + 3? Answer with the number only."], trainer)
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
-    fast.chat_template = (
-        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-    )
-    fast.save_pretrained(tmp_path)
+    save_tokenizer(tmp_path)
     cfg = config_from_checkpoint(tmp_path)
     assert cfg.tokenizer == f"hf:{tmp_path}"
     from miles.model.tokenizer import load_tokenizer

@@ -29,11 +29,12 @@ LOGIT_ATOL = 1e-5
 @pytest.fixture(scope="module")
 def smollm2():
     """(gguf path, our ModelConfig, the dequantized FP32 state dict), loaded once for the module."""
-    from miles.model.checkpoint import config_from_checkpoint, read_hf_state_dict
+    from miles.model.checkpoint import read_hf_state_dict
+    from miles.model.from_checkpoint import config_from_checkpoint
     from miles.recipes import smollm2_gguf_path
 
     path = smollm2_gguf_path()
-    return path, config_from_checkpoint(path, tokenizer=f"hf:{path}"), read_hf_state_dict(path)
+    return path, config_from_checkpoint(path), read_hf_state_dict(path)
 
 
 @pytest.fixture(scope="module")
