@@ -148,11 +148,12 @@ def apply_values(cfg, pairs: list[tuple[str, object]], *, repeats_are_choices: b
 def _checkpoint_model(before, model: dict, keys: set[str], repeats_are_choices: bool) -> dict:
     """``model.checkpoint`` means "this model" (miles.model.from_checkpoint): the model section rebuilt from the
     checkpoint, the values set here held against it."""
-    from miles.model.from_checkpoint import model_from_checkpoint
+    from miles.model.from_checkpoint import run_model_section
 
     names = [k.removeprefix("model.") for k in keys if k.startswith("model.")]
-    explicit = {k: model[k] for k in names if repeats_are_choices or model[k] != getattr(before, k)}
-    return model_from_checkpoint(model, explicit).as_dict()
+    return run_model_section(
+        model, {k: model[k] for k in names if repeats_are_choices or model[k] != getattr(before, k)}
+    )
 
 
 def field_paths(cls, prefix: str = "") -> list[str]:

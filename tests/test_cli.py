@@ -239,9 +239,12 @@ def test_plan_ends_with_a_line_that_agrees_with_its_exit_status_and_names_where_
 
 
 def test_a_missing_sglang_is_one_line_with_the_install_hint_before_ray_starts(tmp_path):
+    from miles.model.checkpoint import save_hf
+    from miles.model.decoder import build_decoder
+    from miles.recipes import quickstart
+
     ckpt = tmp_path / "ckpt"
-    ckpt.mkdir()
-    (ckpt / "config.json").write_text("{}")
+    save_hf(build_decoder(quickstart().model), ckpt)  # the model's own checkpoint: only SGLang is missing
     r = miles(
         "train",
         "--set",

@@ -60,6 +60,21 @@ def config_from_checkpoint(path, **explicit) -> ModelConfig:
     return model_from_checkpoint(ModelConfig().as_dict() | {"checkpoint": str(path)}, explicit)
 
 
+def run_model_section(model: dict, explicit: Mapping[str, object]) -> dict:
+    """A run config's model section with its checkpoint (``model_from_checkpoint``). A checkpoint that is not on
+    this machine cannot be read here (a cluster's nodes may hold it; servers at rollout.engine_urls load their
+    own): the section is kept as set, which is said, and a run whose actors start here refuses it before Ray
+    starts (miles.preflight)."""
+    if not os.path.exists(model["checkpoint"]):
+        log.warning(
+            "model.checkpoint = %r is not on this machine: the model config is the recipe's and --set's, not read "
+            "from it",
+            model["checkpoint"],
+        )
+        return model
+    return model_from_checkpoint(model, explicit).as_dict()
+
+
 def model_from_checkpoint(base: dict, explicit: Mapping[str, object]) -> ModelConfig:
     """The model of ``base["checkpoint"]``: ``base`` (a model section: a recipe's values, with ``explicit`` ones,
     those a user set by name, already in it) with the checkpoint's architecture."""

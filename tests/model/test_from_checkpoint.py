@@ -162,13 +162,25 @@ def test_a_config_json_that_disagrees_with_its_weights_is_refused_naming_the_ten
         check_weights_match(apply_overrides(quickstart(), [f"model.checkpoint={tmp_path}"]).model)
 
 
-@pytest.mark.parametrize("target", ["nosuch", "config.json", "empty"])
+@pytest.mark.parametrize("target", ["config.json", "empty"])
 def test_a_checkpoint_path_that_is_not_a_model_is_refused_naming_what_to_give(tmp_path, target):
     _saved(tmp_path)
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError) as e:
         apply_overrides(quickstart(), [f"model.checkpoint={tmp_path / target}"])
     assert explain(e.value)[0] == EXIT_BAD_INPUT and "give an HF directory" in str(e.value)
+
+
+def test_a_checkpoint_not_on_this_machine_is_kept_as_set_said_and_refused_when_the_run_starts_here(tmp_path, caplog):
+    """A cluster's nodes (ray_address) or SGLang servers (rollout.engine_urls) may hold a path this machine lacks."""
+    from miles.preflight import check_environment
+
+    with caplog.at_level(logging.WARNING, logger="miles"):
+        cfg = apply_overrides(quickstart(), [f"model.checkpoint={tmp_path / 'nosuch'}"])
+    assert "is not on this machine" in caplog.text and cfg.model.hidden_size == quickstart().model.hidden_size
+    check_environment(apply_overrides(cfg, ["ray_address=ray://head:10001"]))  # the cluster's nodes decide
+    with pytest.raises(FileNotFoundError, match="nosuch' does not exist; give an HF directory"):
+        check_environment(cfg)
 
 
 def test_train_plan_and_serve_take_the_model_flag_as_the_checkpoint(tmp_path, capsys):
