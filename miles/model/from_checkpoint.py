@@ -23,9 +23,6 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-import torch
-
-from miles.model.checkpoint import expected_tensors, mismatch_message
 from miles.model.config import ModelConfig
 from miles.model.config_json import decoder_fields
 from miles.model.shards import INDEX, header_shapes, shard_files, weight_map
@@ -222,6 +219,9 @@ def check_weights_match(cfg: ModelConfig) -> None:
         lost = sorted(set(weight_map(p / INDEX)) - set(found))
         if lost:
             raise ValueError(f"{p / INDEX} maps {len(lost)} tensors that its shards lack, e.g. {lost[:3]}")
+    import torch
+
+    from miles.model.checkpoint import expected_tensors, mismatch_message
     from miles.model.decoder import Decoder
 
     with torch.device("meta"):
