@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import types
 import typing
 from typing import Literal
@@ -17,12 +18,19 @@ from typing import Literal
 from miles.config_check import did_you_mean
 
 
+@functools.cache
+def field_types(cls) -> dict:
+    """{field name: its type} of the config dataclass ``cls`` (resolved once: get_type_hints is slow)."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
 def build(cls, d: dict, prefix: str = ""):
     """``cls`` (a config dataclass) from a nested dict of JSON-like values, every value checked by type."""
     if not isinstance(d, dict):
         raise ValueError(f"{prefix.rstrip('.') or 'the config'} should be a table of fields, not {d!r}")
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
+    hints = field_types(cls)
+    names = list(hints)
     kw = {}
     for k, v in d.items():
         if k not in names:
@@ -115,7 +123,7 @@ def apply_values(cfg, pairs: list[tuple[str, object]], *, repeats_are_choices: b
     for key, value in pairs:
         node, cls, parts = d, root, key.split(".")
         for i, part in enumerate(parts):
-            hints = typing.get_type_hints(cls)
+            hints = field_types(cls)
             if part not in hints:
                 where = ".".join(parts[:i]) or "the run config"
                 hint = suggest_field(root, key)
@@ -128,7 +136,7 @@ def apply_values(cfg, pairs: list[tuple[str, object]], *, repeats_are_choices: b
                 node, cls = node[part], hints[part]
             else:
                 if dataclasses.is_dataclass(hints[part]):
-                    first = sorted(typing.get_type_hints(hints[part]))[0]
+                    first = sorted(field_types(hints[part]))[0]
                     raise ValueError(f"{key!r} is a section; set one of its fields, e.g. {key}.{first}=...")
                 node[part] = coerce(value, hints[part], key)
     keys = {key for key, _ in pairs}
@@ -159,9 +167,8 @@ def _checkpoint_model(before, model: dict, keys: set[str], repeats_are_choices: 
 def field_paths(cls, prefix: str = "") -> list[str]:
     """Every field of the config dataclass ``cls`` as a dotted path: ``["seed", ..., "trainer.lr", ...]``."""
     out = []
-    for name, tp in typing.get_type_hints(cls).items():
-        if name in {f.name for f in dataclasses.fields(cls)}:
-            out += field_paths(tp, f"{prefix}{name}.") if dataclasses.is_dataclass(tp) else [prefix + name]
+    for name, tp in field_types(cls).items():
+        out += field_paths(tp, f"{prefix}{name}.") if dataclasses.is_dataclass(tp) else [prefix + name]
     return out
 
 
@@ -186,7 +193,7 @@ def _correct(cls, parts: list[str]) -> str:
     for part in parts:
         if not dataclasses.is_dataclass(cls):
             return ""
-        hints = {f.name: typing.get_type_hints(cls)[f.name] for f in dataclasses.fields(cls)}
+        hints = field_types(cls)
         if part not in hints:
             close = difflib.get_close_matches(part, list(hints), n=1, cutoff=0.6)
             if not close:
