@@ -10,6 +10,7 @@ import argparse
 from pathlib import Path
 
 from miles.config_args import add_config_args, config_from_args, print_config
+from miles.preflight import check_environment
 
 EXAMPLES = """\
 examples:
@@ -50,7 +51,8 @@ def run(args) -> int:
     if done := finished(cfg):
         print(done)
         return 0
-    from miles.driver import train  # torch and Ray: only once the config is known to be good
+    check_environment(cfg)  # SGLang, CUDA, the model's files: in a second, before torch and Ray are imported
+    from miles.driver import train  # torch and Ray: only once the config and the machine are known to be good
 
     rows = train(cfg, progress=not args.no_progress)
     if rows:
