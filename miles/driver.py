@@ -56,6 +56,8 @@ def train(cfg: RunConfig, *, progress: bool = True, stop: threading.Event | None
 def warmup(cfg: RunConfig, c: Cluster, book: "Bookkeeper") -> None:
     """Supervised steps on reference answers before RL (RunConfig.trainer.warmup_sft_steps); not RL steps."""
     n = cfg.trainer.warmup_sft_steps
+    if n:  # the progress bar counts RL steps: without this line the warm-up passes in silence
+        log.info("supervised warm-up: %d steps (trainer.warmup_sft_steps) before RL step 0", n)
     for i in range(n):
         batches = c.get(c.rollout.sft_batches.remote(i))
         m = c.trainer.sft(batches, lr=cfg.trainer.warmup_sft_lr)[0]
