@@ -74,7 +74,7 @@ async def _fire(target, reqs: list[GenerateRequest]) -> dict:
 
 
 def _batches(clients) -> list[int]:
-    return [c._get("/get_load").json()["batches"] for c in clients]
+    return [c._get("/server_info").json()["miles"]["batcher"]["batches"] for c in clients]
 
 
 def run(argv: list[str]) -> dict:

@@ -163,6 +163,7 @@ class HttpPolicy:
                 "temperature": sampling.temperature,
                 "top_p": sampling.top_p,
                 "stop_token_ids": list(sampling.stop_token_ids),
+                "ignore_eos": not sampling.stop_token_ids,  # SGLang stops at EOS unless told otherwise
             },
         }
         r = self._client.post(f"{self.url}/generate", json=body)
@@ -171,11 +172,19 @@ class HttpPolicy:
         return parse_generate_response(r.json())
 
     def abort(self, rids: list[str]) -> None:
-        if rids:
-            self._client.post(f"{self.url}/abort_request", json={"rid": list(rids)})
+        for rid in rids:  # SGLang's AbortReq takes one rid
+            self._client.post(f"{self.url}/abort_request", json={"rid": rid})
 
     def close(self) -> None:
         self._client.close()
+
+
+def as_version(v) -> int:
+    """SGLang's weight_version is a string ("default" before any update); sessions count integers."""
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        return 0
 
 
 def parse_generate_response(d: dict) -> Completion:
@@ -202,7 +211,7 @@ def parse_generate_response(d: dict) -> Completion:
         output_ids=[int(t) for t in ids],
         output_log_probs=log_probs,
         finish_reason=reason,
-        weight_version=int(meta.get("weight_version", 0) or 0),
+        weight_version=as_version(meta.get("weight_version")),
     )
 
 

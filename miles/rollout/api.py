@@ -27,6 +27,17 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0  # 0 = no top-k cut
     stop_token_ids: tuple[int, ...] = ()
+    min_new_tokens: int = 0  # stop tokens cannot be sampled before this many tokens (SGLang's min_new_tokens)
+
+
+class RowWatch(Protocol):
+    """Something that follows one request's tokens as they are generated (stop strings, streaming)."""
+
+    interval: int  # look at the row at least every this many tokens
+
+    def seen(self, ids: list[int], log_probs: list[float]) -> int | None:
+        """The row's tokens so far; a returned count ends the row keeping that many tokens (finish reason 'stop')."""
+        ...
 
 
 @dataclass(kw_only=True, slots=True)
@@ -34,6 +45,7 @@ class GenerateRequest:
     rid: str
     input_ids: list[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    watch: RowWatch | None = None
 
 
 @dataclass(kw_only=True, slots=True)
@@ -43,6 +55,7 @@ class GenerateOutput:
     output_log_probs: list[float]
     finish_reason: str  # "stop" | "length" | "abort"
     weight_version: int
+    retractions: int = 0  # times pause_generation("retract") sent it back to the queue
 
 
 class EngineError(ValueError):

@@ -57,6 +57,13 @@ class GenerateBatcher:
     def num_running(self) -> int:
         return sum(len(j.requests) for j in self.in_flight)
 
+    @property
+    def num_tokens(self) -> int:
+        """Prompt and budgeted output tokens of every request held (SGLang's load counts its KV tokens)."""
+        return sum(
+            len(r.input_ids) + r.sampling.max_new_tokens for j in self.queue + self.in_flight for r in j.requests
+        )
+
     def rids(self) -> set[str]:
         return {r.rid for j in self.queue + self.in_flight for r in j.requests}
 

@@ -12,6 +12,13 @@ wait, otherwise only when the first row reaches its length, which the host knows
 A call made while another one runs joins it: its requests enter the running loop's queue (and take its
 random stream; their seed is not used), and the call returns when its own requests are done.
 
+A request may carry a ``watch`` (miles.rollout.api.RowWatch: stop strings, streaming): at each check the loop
+shows it the row's tokens so far, and a returned count ends the row there (finish reason "stop"). Rows with
+``min_new_tokens`` have their stop tokens suppressed (logits -inf) until they have that many tokens, as SGLang's
+min-new-tokens penalizer does. ``pause_generation("retract")`` (the engine's) returns every running row to the
+queue at the next step, its tokens kept, and parks the loop holding no KV state until continue: the rows are then
+prefilled again with their tokens so far, under whatever weights the engine holds by then.
+
     loop = DecodeLoop(engine)                       # owned by the EmbeddedEngine
     outs = loop.generate(requests, seed)            # one GenerateOutput per request, in order
 """
@@ -39,6 +46,7 @@ class RowState:
         self.finished = torch.ones(num_slots, dtype=torch.bool, device=device)
         self.stopped = z(torch.bool)
         self.temperature, self.top_p, self.top_k = z(torch.float32), z(torch.float32) + 1, z(torch.long)
+        self.min_new = z(torch.long)  # stop ids are suppressed while num_gen < min_new
         self.stop_ids = torch.full((num_slots, STOP_SLOTS), -1, dtype=torch.long, device=device)
         self.out_ids = torch.zeros(num_slots, width, dtype=torch.long, device=device)  # width > max_new_tokens
         self.out_lps = torch.zeros(num_slots, width, dtype=torch.float32, device=device)
@@ -86,6 +94,14 @@ def advance(
     st.seed += 1
 
 
+def suppress_stops(st: RowState, rows: torch.Tensor | slice, logits_RV: torch.Tensor) -> None:
+    """Stop tokens get logit -inf in rows that have fewer than min_new tokens (SGLang's min_new_tokens)."""
+    stop = st.stop_ids[rows]
+    block = (st.num_gen[rows] < st.min_new[rows])[:, None] & (stop >= 0)
+    ids = stop.clamp_min(0)
+    logits_RV.scatter_(1, ids, torch.where(block, float("-inf"), logits_RV.gather(1, ids)))
+
+
 @dataclass(slots=True)
 class _Call:
     """One generate call's results; the caller waits on ``done`` (set when every request has an output)."""
@@ -108,11 +124,22 @@ class _Call:
 
 
 @dataclass(slots=True)
+class _Carry:
+    """What a retracted row had: its original request, its tokens and log-probs so far, how often it was retracted."""
+
+    req: object
+    ids: list = field(default_factory=list)
+    lps: list = field(default_factory=list)
+    retractions: int = 0
+
+
+@dataclass(slots=True)
 class _Row:
     call: _Call
     i: int  # position in the call's request list
-    req: object  # GenerateRequest
+    req: object  # GenerateRequest (a retracted row's: its prompt then holds its tokens so far)
     prefix_slot: int  # the slot whose KV holds this row's prompt (its own, or its group's first)
+    carry: _Carry | None = None
     steps: int = 1  # tokens generated (the host's count: exact unless a stop token ended the row earlier)
 
 
@@ -137,13 +164,19 @@ class DecodeLoop:
         self._inbox: deque = deque()  # (call, i, request) of calls that joined the running loop
         self._inbox_lock = threading.Lock()
         self._busy = False
+        self.parked = False  # a retract pause holds the loop: no row has KV state, memory may be released
+
+    @property
+    def holds_no_rows(self) -> bool:
+        """No row holds KV state: the loop is not running, or it is parked by a retract pause."""
+        return not self._busy or self.parked
 
     # ---- the loop ---------------------------------------------------------------------------------------------
     def generate(self, requests: list, seed: int) -> list:
         call = _Call([None] * len(requests), len(requests))
         if not requests:
             return []
-        items = [(call, i, r) for i, r in enumerate(requests)]
+        items = [(call, i, r, None) for i, r in enumerate(requests)]
         with self._inbox_lock:
             joining = self._busy
             if joining:
@@ -168,11 +201,12 @@ class DecodeLoop:
             with self._inbox_lock:
                 self._busy = False
                 left, self._inbox = list(self._inbox), deque()
-            for c in [*calls.values(), *(c for c, _, _ in left)]:
+            for c in [*calls.values(), *(item[0] for item in left)]:
                 c.fail(err)
             raise
         finally:
             self.e._abort_all = False
+            self.parked = False
 
     def _run(self, waiting: deque, calls: dict) -> None:
         e = self.e
@@ -189,6 +223,9 @@ class DecodeLoop:
                         return
                 continue
             self._drop_aborted_waiting(waiting)
+            if e._retract:
+                self._park(waiting)  # nothing is admitted (or prefilled) until continue
+                continue
             pinned = {r.prefix_slot for r in active.values()}  # a finished row's slot may still hold a shared prompt
             free = [s for s in range(e.max_batch_size) if s not in active and s not in pinned]
             if waiting and free:
@@ -197,25 +234,33 @@ class DecodeLoop:
             if not active:
                 continue
             R = next(b for b in self.buckets if b > max(active))
-            flexible = any(r.req.sampling.top_p < 1 or r.req.sampling.top_k > 0 for r in active.values())
+            reqs = [r.req.sampling for r in active.values()]
+            flexible = any(s.top_p < 1 or s.top_k > 0 or s.min_new_tokens > 0 for s in reqs)
+            suppress = any(s.min_new_tokens > 0 for s in reqs)
             bound = max(len(r.req.input_ids) + r.steps for r in active.values())  # per step: no loop over rows
             steps, done = self._steps_until_check(active, bool(waiting or self._inbox)), 0
             while done < steps:
-                e._running.wait()
-                if self._abort_requested(active):
+                while not e._running.wait(0.05):  # paused in place: aborts and a retract still get through
+                    if e._retract or self._abort_requested(active):
+                        break
+                if self._abort_requested(active) or e._retract:
                     break
                 with e._lock:
-                    e._step(R, bound=bound + done, flexible=flexible)
+                    e._step(R, bound=bound + done, flexible=flexible, suppress=suppress)
                 done += 1
             self.stats["steps"] += done
             for r in active.values():
                 r.steps += done
             self._retire(active)
+            if e._retract and active:
+                self._retract(active, waiting)
 
     def _steps_until_check(self, active: dict[int, _Row], waiting: bool) -> int:
         left = min(r.req.sampling.max_new_tokens - r.steps for r in active.values())
-        can_stop = waiting or any(r.req.sampling.stop_token_ids for r in active.values())
-        return max(0, min(left, self.check_every) if can_stop else left)
+        watches = [r.req.watch for r in active.values() if r.req.watch is not None]
+        can_stop = waiting or bool(watches) or any(r.req.sampling.stop_token_ids for r in active.values())
+        every = min([self.check_every, *(max(1, w.interval) for w in watches)])
+        return max(0, min(left, every) if can_stop else left)
 
     def _abort_requested(self, active: dict[int, _Row]) -> bool:
         e = self.e
@@ -226,16 +271,16 @@ class DecodeLoop:
         if not (e._abort_all or e._aborted):
             return
         for item in list(waiting):
-            call, i, req = item
+            call, i, req, carry = item
             if e._abort_all or req.rid in e._aborted:
                 waiting.remove(item)
                 e._aborted.discard(req.rid)
-                call.put(i, e._output(req, [], [], "abort"))
+                call.put(i, _output(e, req, carry, [], [], "abort"))
 
     # ---- admission: prefill once per distinct prompt ----------------------------------------------------------
     def _admit(self, take: list, slots: list[int], active: dict[int, _Row]) -> None:
         groups: dict[tuple, list[int]] = {}
-        for (_, _, req), slot in zip(take, slots):
+        for (_, _, req, _), slot in zip(take, slots):
             groups.setdefault(tuple(req.input_ids), []).append(slot)
         by_slot = {slot: item for item, slot in zip(take, slots)}
         holder = {s: (g[0] if self.share_prefix else s) for g in groups.values() for s in g}
@@ -249,7 +294,8 @@ class DecodeLoop:
         if chunk:
             self._prefill(chunk, groups, by_slot)
         for slot in slots:
-            active[slot] = _Row(*by_slot[slot], prefix_slot=holder[slot])
+            call, i, req, carry = by_slot[slot]
+            active[slot] = _Row(call, i, req, prefix_slot=holder[slot], carry=carry)
         self.stats["prefills"] += len(prompts)
         self.stats["admitted"] += len(slots)
 
@@ -279,6 +325,8 @@ class DecodeLoop:
                 None if kv_src is None else torch.tensor(kv_src, device=dev),
             )
             logits = prefill(e.model, *args, fused=e.fused)[torch.tensor(src, device=dev)]
+            if any(r.sampling.min_new_tokens > 0 for r in reqs):
+                suppress_stops(st, slots_t, logits)
             flexible = any(r.sampling.top_p < 1 or r.sampling.top_k > 0 for r in reqs)
             tok, lp = sample(
                 logits,
@@ -298,7 +346,7 @@ class DecodeLoop:
         longs = torch.tensor(
             [
                 [len(r.input_ids) - 1, r.sampling.max_new_tokens, r.sampling.top_k]  # advance() adds the first token
-                + [h, len(r.input_ids) if shared else 0]
+                + [h, len(r.input_ids) if shared else 0, r.sampling.min_new_tokens]
                 + (list(r.sampling.stop_token_ids) + pad)[:STOP_SLOTS]
                 for r, h in zip(reqs, holders)
             ],
@@ -307,13 +355,14 @@ class DecodeLoop:
         floats = torch.tensor([[r.sampling.temperature, r.sampling.top_p] for r in reqs], dtype=torch.float32).to(dev)
         st.lens[slots_t], st.max_new[slots_t], st.top_k[slots_t] = longs[:, 0], longs[:, 1], longs[:, 2]
         st.prefix_slot[slots_t], st.prefix_len[slots_t] = longs[:, 3], longs[:, 4]
-        st.stop_ids[slots_t] = longs[:, 5:]
+        st.min_new[slots_t] = longs[:, 5]
+        st.stop_ids[slots_t] = longs[:, 6:]
         st.temperature[slots_t], st.top_p[slots_t] = floats[:, 0], floats[:, 1]
         st.num_gen[slots_t] = 0
         st.finished[slots_t] = False
         st.stopped[slots_t] = False
 
-    # ---- retiring finished rows: one read of the flags, one of the finished rows' tokens --------------------
+    # ---- retiring finished rows: one read of the flags, one of the finished (and watched) rows' tokens ---------
     def _retire(self, active: dict[int, _Row]) -> None:
         e, st = self.e, self.e.state
         slots = sorted(active)
@@ -324,21 +373,83 @@ class DecodeLoop:
         ).tolist()
         self.stats["flag_reads"] += 1
         aborted = {s for i, s in enumerate(slots) if not finished[i] and self._aborts(active[s])}
-        if aborted:
-            st.finished[torch.tensor(sorted(aborted), device=e.device)] = True  # a freed slot must not advance
-        done = [i for i, s in enumerate(slots) if finished[i] or s in aborted]
-        if not done:
+        done = {i for i, s in enumerate(slots) if finished[i] or s in aborted}
+        watched = [i for i, s in enumerate(slots) if active[s].req.watch is not None]
+        read = sorted(done | set(watched))
+        if not read:
             return
-        width = max(num_gen[i] for i in done)
-        done_idx = idx[torch.tensor(done, device=e.device)]
-        ids = st.out_ids[done_idx, :width].tolist()
-        lps = st.out_lps[done_idx, :width].tolist()
-        for j, i in enumerate(done):
-            row = active.pop(slots[i])
+        width = max(num_gen[i] for i in read)
+        read_idx = idx[torch.tensor(read, device=e.device)]
+        tokens = dict(zip(read, zip(st.out_ids[read_idx, :width].tolist(), st.out_lps[read_idx, :width].tolist())))
+        cut = {}
+        for i in watched:
+            row, (ids, lps) = active[slots[i]], tokens[i]
             n = num_gen[i]
-            reason = "abort" if slots[i] in aborted else "stop" if stopped[i] else "length"
+            prior = row.carry or _Carry(row.req)
+            keep = row.req.watch.seen(prior.ids + ids[:n], prior.lps + lps[:n])
+            if keep is not None:
+                cut[i] = max(0, keep - len(prior.ids))
+        newly = sorted(set(cut) - done)
+        if newly or aborted:  # a freed slot must not advance
+            st.finished[idx[torch.tensor(newly + [slots.index(s) for s in aborted], device=e.device)]] = True
+        for i in sorted(done | set(cut)):
+            row = active.pop(slots[i])
+            ids, lps = tokens[i]
+            n = min(num_gen[i], cut.get(i, num_gen[i]))
+            reason = "stop" if (stopped[i] or i in cut) else "abort" if slots[i] in aborted else "length"
             e._aborted.discard(row.req.rid)
-            row.call.put(row.i, e._output(row.req, ids[j][:n], lps[j][:n], reason))
+            row.call.put(row.i, _output(e, row.req, row.carry, ids[:n], lps[:n], reason))
 
     def _aborts(self, row: _Row) -> bool:
         return self.e._abort_all or row.req.rid in self.e._aborted
+
+    # ---- retract: rows back to the queue with their tokens, the loop parked until continue ---------------------
+    def _retract(self, active: dict[int, _Row], waiting: deque) -> None:
+        """Every live row goes back to the front of the queue as a request whose prompt holds its tokens so far."""
+        st, slots = self.e.state, sorted(active)
+        idx = torch.tensor(slots, device=self.e.device)
+        num_gen = st.num_gen[idx].tolist()
+        width = max(num_gen)
+        ids, lps = st.out_ids[idx, :width].tolist(), st.out_lps[idx, :width].tolist()
+        st.finished[idx] = True
+        back = []
+        for j, s in enumerate(slots):
+            row = active.pop(s)
+            n = num_gen[j]
+            prior = row.carry or _Carry(row.req)
+            carry = _Carry(prior.req, prior.ids + ids[j][:n], prior.lps + lps[j][:n], prior.retractions + 1)
+            back.append((row.call, row.i, _continued(prior.req, carry), carry))
+        waiting.extendleft(reversed(back))
+        self.stats["retracted"] = self.stats.get("retracted", 0) + len(back)
+
+    def _park(self, waiting: deque) -> None:
+        """Hold, with no row holding KV state, until continue_generation; aborts of queued requests are answered
+        meanwhile."""
+        self.parked = True
+        try:
+            while not self.e._running.wait(0.05):
+                self._drop_aborted_waiting(waiting)
+        finally:
+            self.parked = False
+
+
+def _continued(req, carry: _Carry):
+    """The request a retracted row resumes as: its prompt and tokens so far, the rest of its budget."""
+    from dataclasses import replace
+
+    s = req.sampling
+    sampling = replace(
+        s,
+        max_new_tokens=s.max_new_tokens - len(carry.ids),
+        min_new_tokens=max(0, s.min_new_tokens - len(carry.ids)),
+    )
+    return replace(req, input_ids=list(req.input_ids) + carry.ids, sampling=sampling)
+
+
+def _output(e, req, carry: _Carry | None, ids: list, lps: list, reason: str):
+    """The output of ``req`` (a retracted one's original request, its earlier tokens first)."""
+    if carry is None:
+        return e._output(req, ids, lps, reason)
+    out = e._output(carry.req, carry.ids + ids, carry.lps + lps, reason)
+    out.retractions = carry.retractions
+    return out

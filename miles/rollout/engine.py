@@ -24,7 +24,7 @@ from miles.rollout.api import (
     SamplingParams,  # noqa: F401 - re-exported: callers import the request types from here
     WeightsNotSynced,
 )
-from miles.rollout.decode_loop import STOP_SLOTS, DecodeLoop, RowState, advance
+from miles.rollout.decode_loop import STOP_SLOTS, DecodeLoop, RowState, advance, suppress_stops
 from miles.rollout.forward import RopeTable, decode_step, decode_step_fused, fuse_projections
 from miles.rollout.sampling import sample, use_triton
 from miles.sync.receiver import UpdateCalls
@@ -85,7 +85,8 @@ class EmbeddedEngine(UpdateCalls):
         self.weight_version = 0
         self._lock = threading.RLock()  # held by each forward step and by weight updates
         self._running = threading.Event()
-        self._running.set()  # cleared by pause_generation(mode="in_place")
+        self._running.set()  # cleared by pause_generation (in place or retract), set by continue_generation
+        self._retract = False  # pause_generation("retract"): running rows go back to the queue
         self._aborted: set[str] = set()
         self._abort_all = False
         self._params = dict(self.model.named_parameters())
@@ -120,6 +121,11 @@ class EmbeddedEngine(UpdateCalls):
                 f"request {r.rid}: prompt {len(r.input_ids)} + max_new_tokens {r.sampling.max_new_tokens} = "
                 f"{need} exceeds the engine's max_seq_len {self.max_seq_len}; shorten it or raise rollout.max_seq_len"
             )
+        if not 0 <= r.sampling.min_new_tokens <= r.sampling.max_new_tokens:
+            raise EngineError(
+                f"request {r.rid}: min_new_tokens {r.sampling.min_new_tokens} must be in [0, max_new_tokens "
+                f"{r.sampling.max_new_tokens}]"
+            )
         if len(r.sampling.stop_token_ids) > STOP_SLOTS:
             raise EngineError(
                 f"request {r.rid}: {len(r.sampling.stop_token_ids)} stop token ids; the engine holds at most "
@@ -143,8 +149,10 @@ class EmbeddedEngine(UpdateCalls):
         )
 
     @torch.no_grad()
-    def _step(self, R: int, *, bound: int, flexible: bool) -> None:
-        """One decode step over slots [0, R): graphed on CUDA, eager otherwise; ``flexible``: top-p / top-k rows."""
+    def _step(self, R: int, *, bound: int, flexible: bool, suppress: bool = False) -> None:
+        """One decode step over slots [0, R): graphed on CUDA, eager otherwise; ``flexible``: top-p / top-k /
+        min-new-tokens rows (sampled outside the graph); ``suppress``: stop tokens masked in rows short of
+        min_new_tokens."""
         st, rows, logits = self.state, slice(0, R), self.logits[:R]
 
         prefix = (st.prefix_slot[:R], st.prefix_len[:R]) if self.loop.share_prefix else None
@@ -157,6 +165,8 @@ class EmbeddedEngine(UpdateCalls):
                 decode_step(self.model, *args, bound=bound, prefix=prefix)
 
         def finish():
+            if suppress:
+                suppress_stops(st, rows, logits)
             tp, tk = (st.top_p[:R], st.top_k[:R]) if flexible else (None, None)
             tok, lp = sample(logits, st.temperature[:R], st.seed, self._gen, top_p_R=tp, top_k_R=tk)
             advance(st, rows, tok, lp)
@@ -184,13 +194,18 @@ class EmbeddedEngine(UpdateCalls):
             self._aborted |= set(rids)
 
     def pause_generation(self, mode: str = "in_place") -> None:
-        if mode not in ("in_place", "abort"):
-            raise EngineError(f"pause_generation mode {mode!r} is not supported; use 'in_place' or 'abort'")
+        """SGLang's modes: "in_place" holds the running rows between decode steps (KV kept); "retract" returns them
+        to the queue with their tokens (KV dropped: memory may be released, weights changed; they are prefilled
+        again on continue); "abort" ends every request (finish reason 'abort') and holds new ones."""
+        if mode not in ("in_place", "abort", "retract"):
+            raise EngineError(f"pause_generation mode {mode!r} is not supported; use 'abort', 'retract' or 'in_place'")
         if mode == "abort":
             self.abort("all")
+        self._retract = mode == "retract"
         self._running.clear()
 
     def continue_generation(self) -> None:
+        self._retract = False
         self._running.set()
 
     def flush_cache(self) -> None:

@@ -1,17 +1,19 @@
-"""``miles serve``: the embedded engine behind the SGLang HTTP endpoints that RL uses, so the SGLang client
-(miles.rollout.sglang_client) and the router are exercised over real HTTP on any machine.
+"""``miles serve``: the embedded engine behind SGLang's HTTP API, answering as sglang 0.5.10.post1 answers (its
+``srt/entrypoints/http_server.py`` is the spec), so real RL clients (slime, radixark/miles), OpenAI clients and
+miles' own SGLang client (miles.rollout.sglang_client) and router can drive it on any machine.
 
     miles serve --recipe quickstart --set rollout.max_batch_size=64 --port 30000
-    curl -s localhost:30000/generate -d '{"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4}}'
+    curl -s localhost:30000/generate -d '{"text": "2 + 2 =", "sampling_params": {"max_new_tokens": 4}}'
 
-Endpoints (SGLang names): /generate, /health, /health_generate, /get_model_info, /get_server_info, /get_load,
-/get_weight_version, /update_weight_version, /flush_cache, /abort_request, /pause_generation,
-/continue_generation, /release_memory_occupation, /resume_memory_occupation, /update_weights_from_tensor,
-/update_weights_from_disk, /init_weights_update_group, /update_weights_from_distributed,
-/destroy_weights_update_group, /get_weights_by_name. miles additions: GET /miles/memory (resident bytes per
-tag), GET /miles/weights (all weights, ``torch.save`` bytes, for check_weights), POST /miles/ledger (drain the
-engine's MemoryLedger), POST /miles/begin_weight_update ({"manifest": payload}: open a failure-safe update that
-later buckets land in and /update_weight_version commits) and POST /miles/abort_weight_update.
+The routes, by room: /generate (and its SSE stream), /health_generate (miles.rollout.server_generate); /health,
+/model_info, /server_info, /get_load, /v1/loads and their older names (miles.rollout.server_info); versions,
+cache, aborts, pause / continue, memory (miles.rollout.server_control); weight updates by request, file or
+broadcast group and the weight inspection routes (miles.rollout.server_weights); /v1/models, /v1/completions,
+/v1/chat/completions (miles.rollout.openai_server). miles additions live under /miles/: GET /miles/memory
+(resident bytes per tag), GET /miles/weights (all weights, ``torch.save`` bytes, for check_weights), POST
+/miles/ledger (drain the engine's MemoryLedger), POST /miles/begin_weight_update ({"manifest": payload}: a
+failure-safe update that later buckets land in and /update_weight_version commits), POST
+/miles/abort_weight_update.
 
 Who may call it (miles.http_guard): the Host header must name loopback or the bound host, a body must be sent
 as ``application/json`` (415 otherwise), browsers' cross-site requests are refused, and with ``--api-key`` /
@@ -21,107 +23,36 @@ as SGLang's do, but without a key a GET needs same-origin evidence (405 otherwis
 request head must arrive within ``--head-timeout-s`` and one client address may hold
 ``--max-connections-per-client`` connections (miles.http_connections).
 
-Deliberate differences from SGLang:
-- /generate takes ``input_ids`` only (no ``text``; the server holds no tokenizer) and returns ``"text": ""``;
-  ``stream`` is refused. Concurrent calls are batched (collected for ``--batch-wait-ms``) and run one batch at a
-  time on the engine's single KV cache. Every value is checked per call before it joins a batch (finite,
-  non-denormal temperature and top_p, token ids in the vocabulary, lengths within max_seq_len), so one bad call
-  gets its 400 and never fails the calls batched with it.
-- ``sampling_params.sampling_seed`` must be the same for every prompt of a call; a seeded call runs as a batch of
-  its own, so its outputs equal an in-process ``engine.generate(requests, seed=...)``.
-- ``weight_version`` is an integer (SGLang: a string, "default" before any update); the client reads both.
-- /update_weights_from_tensor: each ``serialized_named_tensors`` entry is ``base64(torch.save(obj))`` (SGLang:
-  its MultiprocessingSerializer), decoded with torch's weights_only unpickler. ``obj`` is a list of (name, tensor)
-  pairs (bytes travel in the body; works across machines), or, with ``load_format="flattened_bucket"``, a
-  miles.sync.flat_bucket.BucketHandle (shared memory on CPU, CUDA IPC on GPU: one machine only). A bucket is
-  opened only when it is a miles staging buffer of this user in the shared-memory directory, read-only
-  (flat_bucket.check_handle). All tensors are checked (name, shape, dtype) before any is written; a mismatch is a
-  400 and nothing changes.
-- /update_weights_from_disk: ``model_path`` is a disk-delta directory (miles.sync.disk_delta.transport), not a HF
-  checkpoint, and ``weight_version`` is required.
-- /init_weights_update_group: joins run on an executor of their own (miles.rollout.group_calls), bounded by
-  ``--group-connect-timeout-s``; a second join while one is pending is a 409.
-- /release_memory_occupation and /resume_memory_occupation return ``{"bytes": n}``; unknown tags are a 400 (valid:
-  weights, kv_cache, cuda_graph). They wait for the running batch; while generation is paused in place they
-  answer 409 instead of waiting forever.
-- /pause_generation supports mode "abort" and "in_place" ("retract" is a 400). /abort_request reaches queued
-  requests at once and running ones at the next decode step (finish_reason ``abort``, tokens so far kept).
-- /health answers 200 whenever the process serves HTTP (routers restart engines that fail it), with ``status``
-  "ok" only when a generate would run: "memory_released", or "weights_not_synced" after discarded weights were
-  resumed and before every tensor was written again (/generate answers 409 meanwhile); a pending group join is
-  listed. /health_generate answers 503 unless the status is "ok", else runs a one-token generate.
-- Every 4xx body is ``{"success": false, "message": ..., "error": {"message": ..., "code": ...}}``.
+Where miles keeps a deliberate difference from SGLang, miles.rollout.server_info.DELIBERATE_DIFFERENCES says which
+and why; /server_info lists them and the README repeats them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import io
-import json
 import logging
-import os
-import time
 
-import torch
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
 
 from miles.http_guard import LOOPBACK_HOSTS, HttpGuard
-from miles.memory.ledger import process_rss_bytes
+from miles.rollout import openai_server, server_control, server_generate, server_info, server_weights
 from miles.rollout.batcher import GenerateBatcher
-from miles.rollout.engine import ENGINE_TAGS, EmbeddedEngine, GenerateRequest, SamplingParams, WeightsNotSynced
+from miles.rollout.engine import EmbeddedEngine, WeightsNotSynced
 from miles.rollout.group_calls import GroupCalls, GroupJoinPending
-from miles.rollout.sglang_api import (
-    FLATTENED_BUCKET,
-    WireError,
-    bucket_handle,
-    decode_payload,
-    named_tensors_of,
-    output_json,
-    parse_generate,
-    parse_group_args,
-    parse_tags,
-    parse_version,
-    weight_manifest,
-)
+from miles.rollout.serve_http import Conflict, error, read_body  # noqa: F401 - read_body: re-exported
+from miles.rollout.sglang_api import WireError
 from miles.sync.disk_delta.baseline import MissingTensorError
 
 log = logging.getLogger("miles.serve")
-
 
 # endpoints that change the engine's state and that SGLang also serves on GET: GET needs same-origin evidence here
 STATE_CHANGING_GETS = ("/flush_cache", "/release_memory_occupation", "/resume_memory_occupation")
 
 
-class Conflict(RuntimeError):
-    """The request is valid but the engine's state forbids it now (HTTP 409)."""
-
-
-def _error(status: int, message: str) -> JSONResponse:
-    return JSONResponse(
-        {"success": False, "message": message, "error": {"message": message, "code": status}}, status_code=status
-    )
-
-
-async def _body(request: Request) -> dict:
-    raw = await request.body()
-    if not raw.strip():
-        return {}
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise WireError(f"malformed JSON body: {e}; send a JSON object") from None
-    except RecursionError:
-        raise WireError("JSON body nested too deeply to parse; send a flat JSON object") from None
-    if not isinstance(body, dict):
-        raise WireError(f"expected a JSON object, got {type(body).__name__}")
-    return body
-
-
 class EngineServer:
-    """The app's state: one engine, its batcher, and the weight-update receivers.
+    """The app's state: one engine, its batcher, the weight version string, the weight-update receivers.
 
     server = EngineServer(engine, batch_wait_ms=5, api_key=""); app = server.app   # then run app with uvicorn
 
@@ -132,6 +63,7 @@ class EngineServer:
         self,
         engine: EmbeddedEngine,
         *,
+        model=None,
         batch_wait_ms: float = 5.0,
         info: dict | None = None,
         api_key: str = "",
@@ -139,10 +71,14 @@ class EngineServer:
         group_connect_timeout_s: float = 30.0,
         max_request_bytes: int = 0,
     ):
+        from miles.rollout.served_model import ServedModel
+
         self.engine, self.info = engine, info or {}
+        self.model = model or ServedModel.of(engine.cfg, engine.max_seq_len)
         self.batch_wait_s = batch_wait_ms / 1000
         self.batcher: GenerateBatcher | None = None
-        self.paused_in_place = False
+        self.paused: str | None = None  # the mode of a pause in force: "abort", "in_place", "retract"
+        self.version = "default"  # SGLang's weight_version string; the engine counts integers
         self.groups = GroupCalls(engine, connect_timeout_s=group_connect_timeout_s)
         self.app = FastAPI(title="miles serve", lifespan=self._lifespan)
         self.app.add_middleware(
@@ -152,7 +88,9 @@ class EngineServer:
             max_body_bytes=max_request_bytes,
             state_changing_gets=STATE_CHANGING_GETS,
         )
-        self._routes()
+        self._handlers(self.app)
+        for room in (server_generate, server_info, server_control, server_weights, openai_server):
+            room.add_routes(self.app, self)
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app):
@@ -162,102 +100,49 @@ class EngineServer:
         await self.batcher.stop()
         self.groups.close()
 
-    def _routes(self) -> None:
-        """The HTTP surface, by group: serving, control (versions, pause, memory), weight updates (by request, by
-        broadcast group), inspection."""
-        app = self.app
-
+    @staticmethod
+    def _handlers(app: FastAPI) -> None:
         @app.exception_handler(ValueError)  # EngineError, WireError and the sync receiver's checks: bad input
         async def bad_request(_, exc):
-            return _error(400, str(exc))
+            return error(400, str(exc))
 
         @app.exception_handler(RequestValidationError)
         async def invalid(_, exc):
-            return _error(400, f"invalid request: {exc.errors()}")
+            return error(400, f"invalid request: {exc.errors()}")
 
         @app.exception_handler(Conflict)
         @app.exception_handler(GroupJoinPending)
         @app.exception_handler(WeightsNotSynced)
         async def conflict(_, exc):
-            return _error(409, str(exc))
+            return error(409, str(exc))
 
         @app.exception_handler(MissingTensorError)  # a KeyError: a disk-delta version naming an unknown tensor
         async def missing_tensor(_, exc):
-            return _error(400, str(exc.args[0] if exc.args else exc))
+            return error(400, str(exc.args[0] if exc.args else exc))
 
-        for group in (
-            self._serving_routes,
-            self._control_routes,
-            self._weight_routes,
-            self._group_routes,
-            self._inspection_routes,
-        ):
-            group(app, self.engine)
+    # ---- weight versions: SGLang's strings outside, the engine's integers inside ----------------------------
+    def engine_version(self, v) -> int | None:
+        """The engine's integer for a version string sent with an update: the integer it spells, else the next
+        count (SGLang takes any string, e.g. "step-3"); None when no version was sent. A non-string is a 400."""
+        if v is None:
+            return None
+        if not isinstance(v, str):
+            raise WireError(f"weight_version = {v!r} must be a string (SGLang's weight versions are strings)")
+        try:
+            n = int(v)
+        except ValueError:
+            return self.engine.weight_version + 1
+        if not 0 <= n < 2**63:
+            raise WireError(f"weight_version = {v!r} must spell an integer in [0, 2**63) or be a non-numeric string")
+        return n
 
-    def _serving_routes(self, app: FastAPI, e: EmbeddedEngine) -> None:
-        """SGLang-compatible generation and the read-only status endpoints."""
-
-        @app.api_route("/generate", methods=["POST", "PUT"])
-        async def generate(request: Request):
-            body = await _body(request)
-            reqs, seed, is_batch = parse_generate(body, vocab_size=e.cfg.vocab_size, max_seq_len=e.max_seq_len)
-            if not e.weights_synced:
-                raise Conflict(e.unsynced_message())
-            outs = await self.batcher.submit(reqs, seed)
-            res = [output_json(o, len(r.input_ids), bool(body.get("return_logprob"))) for r, o in zip(reqs, outs)]
-            return res if is_batch else res[0]
-
-        @app.get("/health")
-        async def health():
-            """Liveness (200 while the process serves; routers restart engines that fail it) with the truth about
-            readiness in the body: status "ok" only when a generate would run now."""
-            return self.status()
-
-        @app.get("/health_generate")
-        async def health_generate():
-            status = self.status()
-            if status["status"] != "ok":
-                return _error(503, status["message"])
-            req = GenerateRequest(
-                rid=f"HEALTH_CHECK_{time.time_ns()}",
-                input_ids=[0],
-                sampling=SamplingParams(max_new_tokens=1, temperature=0),
-            )
-            await self.batcher.submit([req])
-            return {"status": "ok"}
-
-        @app.get("/get_model_info")
-        async def model_info():
-            return {"model_path": e.cfg.checkpoint, "is_generation": True, "weight_version": e.weight_version}
-
-        @app.get("/get_server_info")
-        async def server_info():
-            return {
-                **self.info,
-                "max_batch_size": e.max_batch_size,
-                "max_seq_len": e.max_seq_len,
-                "device": str(e.device),
-                "batch_wait_ms": self.batch_wait_s * 1000,
-                "pid": os.getpid(),
-            }
-
-        @app.get("/get_load")
-        async def load():
-            b = self.batcher
-            return {
-                "num_reqs": b.num_running + b.num_waiting,
-                "num_running": b.num_running,
-                "num_waiting": b.num_waiting,
-                **b.stats,
-            }
-
-        @app.get("/get_weight_version")
-        async def weight_version():
-            return {"weight_version": e.weight_version}
+    def check_ready(self) -> None:
+        if not self.engine.weights_synced:
+            raise Conflict(self.engine.unsynced_message())
 
     def status(self) -> dict:
         e = self.engine
-        out = {"status": "ok", "weight_version": e.weight_version}
+        out = {"status": "ok", "weight_version": self.version}
         if e.memory.is_offloaded("weights") or e.memory.is_offloaded("kv_cache"):
             out.update(status="memory_released", message="memory is released; resume_memory_occupation first")
         elif not e.weights_synced:
@@ -266,215 +151,18 @@ class EngineServer:
             out["pending_group_join"] = pending
         return out
 
-    def _control_routes(self, app: FastAPI, e: EmbeddedEngine) -> None:
-        """Weight version, cache, aborts, pause / continue, memory release / resume."""
-
-        @app.post("/update_weight_version")
-        async def update_weight_version(request: Request):
-            body = await _body(request)
-            if body.get("abort_all_requests"):
-                self.batcher.abort(None)
-            e.set_weight_version(parse_version(body.get("new_version"), "new_version") or 0)
-            return {
-                "success": True,
-                "message": f"weight version is {e.weight_version}",
-                "new_version": e.weight_version,
-            }
-
-        @app.api_route("/flush_cache", methods=["GET", "POST"])
-        async def flush_cache():
-            e.flush_cache()
-            return Response("Cache flushed.\n")
-
-        @app.post("/abort_request")
-        async def abort_request(request: Request):
-            body = await _body(request)
-            if body.get("abort_all"):
-                n = self.batcher.abort(None)
-            elif isinstance(body.get("rid"), (str, list)):
-                rid = body["rid"]
-                n = self.batcher.abort([rid] if isinstance(rid, str) else [str(r) for r in rid])
-            else:
-                raise WireError("/abort_request needs rid (a string or list) or abort_all=true")
-            return {"success": True, "num_aborted": n}
-
-        @app.post("/pause_generation")
-        async def pause_generation(request: Request):
-            mode = (await _body(request)).get("mode", "abort")
-            if mode not in ("abort", "in_place"):
-                raise WireError(f"pause_generation mode {mode!r} is not supported; use 'abort' or 'in_place'")
-            if mode == "abort":
-                self.batcher.abort(None)
-            e.pause_generation("in_place")
-            self.paused_in_place = True
-            return {"message": "Generation paused successfully.", "status": "ok"}
-
-        @app.post("/continue_generation")
-        async def continue_generation():
-            e.continue_generation()
-            self.paused_in_place = False
-            return {"message": "Generation continued successfully.", "status": "ok"}
-
-        @app.api_route("/release_memory_occupation", methods=["GET", "POST"])
-        async def release(request: Request):
-            return await self._memory(e.offload, parse_tags(await _body(request)))
-
-        @app.api_route("/resume_memory_occupation", methods=["GET", "POST"])
-        async def resume(request: Request):
-            return await self._memory(e.onload, parse_tags(await _body(request)))
-
-    def _weight_routes(self, app: FastAPI, e: EmbeddedEngine) -> None:
-        """Weight updates: tensor buckets, transactions, disk deltas."""
-
-        @app.post("/update_weights_from_tensor")
-        async def update_from_tensor(request: Request):
-            body = await _body(request)
-            entries = body.get("serialized_named_tensors")
-            if not isinstance(entries, list) or not entries or not all(isinstance(s, str) for s in entries):
-                raise WireError("serialized_named_tensors must be a non-empty list of base64 strings (one per TP rank)")
-            version = parse_version(body.get("weight_version"))
-            if body.get("load_format") == FLATTENED_BUCKET:  # the engine opens it (and lands it in an open update)
-                for s in entries:
-                    await asyncio.to_thread(_apply_bucket, e, bucket_handle(decode_payload(s)), version)
-                return {
-                    "success": True,
-                    "message": f"applied {len(entries)} bucket(s); weight version {e.weight_version}",
-                }
-            named = [p for s in entries for p in named_tensors_of(decode_payload(s), body.get("load_format"))]
-            await asyncio.to_thread(e.update_weights_from_tensor, named, version)
-            return {"success": True, "message": f"updated {len(named)} tensors; weight version {e.weight_version}"}
-
-        @app.post("/miles/begin_weight_update")
-        async def begin_weight_update(request: Request):
-            manifest = weight_manifest(decode_payload((await _body(request)).get("manifest", "")))
-            await asyncio.to_thread(e.begin_weight_update, manifest)
-            return {"success": True, "message": f"update of {len(manifest.specs)} tensors opened"}
-
-        @app.post("/miles/abort_weight_update")
-        async def abort_weight_update():
-            await asyncio.to_thread(e.abort_weight_update)
-            return {"success": True, "message": f"update aborted; weight version stays {e.weight_version}"}
-
-        @app.post("/update_weights_from_disk")
-        async def update_from_disk(request: Request):
-            body = await _body(request)
-            path, version = body.get("model_path"), parse_version(body.get("weight_version"))
-            if not isinstance(path, str) or not path:
-                raise WireError("/update_weights_from_disk needs model_path (a disk-delta directory)")
-            if version is None:
-                raise WireError("/update_weights_from_disk needs weight_version: the disk-delta version to load")
-            if not os.path.isdir(path) or path.endswith(".safetensors"):
-                raise WireError(f"model_path {path!r} is not a disk-delta directory on the server's machine")
-            try:
-                await asyncio.to_thread(e.update_weights_from_disk, path, version)
-            except (TypeError, AttributeError) as err:  # an index.json of the wrong shape (e.g. tensors a list)
-                raise WireError(
-                    f"version {version} under {path} is malformed ({type(err).__name__}: {err}); "
-                    "the engine keeps its weights"
-                ) from None
-            return {
-                "success": True,
-                "message": f"loaded {path}; weight version {e.weight_version}",
-                "num_paused_requests": 0,
-            }
-
-    def _group_routes(self, app: FastAPI, e: EmbeddedEngine) -> None:
-        """Weight updates by torch.distributed broadcast: join a group, receive into it, leave it."""
-
-        @app.post("/init_weights_update_group")
-        async def init_group(request: Request):
-            await self.groups.join(*parse_group_args(await _body(request)))
-            return {"success": True, "message": "weights update group initialised"}
-
-        @app.post("/update_weights_from_distributed")
-        async def update_from_distributed(request: Request):
-            body = await _body(request)
-            names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
-            if not (
-                isinstance(names, list)
-                and isinstance(dtypes, list)
-                and isinstance(shapes, list)
-                and len(names) == len(dtypes) == len(shapes)
-            ):
-                raise WireError(
-                    "/update_weights_from_distributed needs names, dtypes and shapes: lists of equal length"
-                )
-            group = str(body.get("group_name", "weight_update_group"))
-            await self.groups.receive(names, dtypes, shapes, group, parse_version(body.get("weight_version")))
-            return {"success": True, "message": f"received {len(names)} tensors; weight version {e.weight_version}"}
-
-        @app.post("/destroy_weights_update_group")
-        async def destroy_group(request: Request):
-            name = (await _body(request)).get("group_name", "weight_update_group")
-            await self.groups.leave(str(name))
-            return {"success": True, "message": "weights update group destroyed"}
-
-    def _inspection_routes(self, app: FastAPI, e: EmbeddedEngine) -> None:
-        """Weights, memory and the ledger, for checks and the dashboard."""
-
-        @app.api_route("/get_weights_by_name", methods=["GET", "POST"])
-        async def weights_by_name(request: Request):
-            body = await _body(request)
-            name, n = body.get("name"), body.get("truncate_size", 100)
-            if not isinstance(name, str):
-                raise WireError(f"name = {str(name)[:80]} must be a string (one weight name)")
-            if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-                raise WireError(f"truncate_size = {n!r} must be a non-negative integer")
-            weights = self._weights()
-            if name not in weights:
-                raise WireError(f"no weight named {name!r}; e.g. {next(iter(weights))!r}")
-            return weights[name][:n].float().tolist()
-
-        @app.get("/miles/weights")
-        async def all_weights():
-            buf = io.BytesIO()
-            torch.save({k: v.contiguous() for k, v in self._weights().items()}, buf)
-            return Response(buf.getvalue(), media_type="application/octet-stream")
-
-        @app.get("/miles/memory")
-        async def memory():
-            tags = {
-                t: {"resident_bytes": e.memory.resident_bytes(t), "paused": e.memory.is_offloaded(t)}
-                for t in ENGINE_TAGS
-            }
-            return {"tags": tags, "rss_bytes": process_rss_bytes()}
-
-        @app.post("/miles/ledger")
-        async def ledger():
-            e.ledger.sample_process(getattr(e.memory, "owner", "engine"))
-            events, samples = e.ledger.drain()
-            return {"events": [_asdict(x) for x in events], "samples": [_asdict(x) for x in samples]}
-
-    async def _memory(self, fn, tags: list[str]) -> dict:
-        if self.paused_in_place and self.batcher.in_flight:
+    async def with_engine_idle(self, fn, *args):
+        """Run ``fn`` (a memory move) when no row holds KV state: between batches, or while a retract pause holds
+        the loop. While generation is paused in place with requests in flight it would wait forever: 409."""
+        if self.paused == "retract" and self.engine.loop.holds_no_rows:
+            return await asyncio.to_thread(fn, *args)
+        if self.paused in ("in_place", "abort") and self.batcher.in_flight:
             raise Conflict(
                 "generation is paused in place with requests in flight; /continue_generation or "
                 "/abort_request them before releasing or resuming memory"
             )
         async with self.batcher.idle:
-            n = await asyncio.to_thread(fn, tags)
-        return {"success": True, "message": f"{fn.__name__} {tags}: {n} bytes", "bytes": n}
-
-    def _weights(self) -> dict[str, torch.Tensor]:
-        if self.engine.memory.is_offloaded("weights"):
-            raise Conflict('weights are released; /resume_memory_occupation {"tags": ["weights"]} first')
-        if not self.engine.weights_synced:  # discarded bytes (often NaN): nothing to read
-            raise Conflict(self.engine.unsynced_message())
-        return self.engine.named_weights()
-
-
-def _apply_bucket(engine, handle, version) -> None:
-    try:
-        engine.update_weights_from_bucket(handle, version)
-    except (OSError, RuntimeError) as err:
-        raise WireError(
-            f"bucket {handle.key} could not be opened ({err}); flattened buckets only work between "
-            "processes of one machine"
-        ) from None
-
-
-def _asdict(x) -> dict:
-    return {f: getattr(x, f) for f in x.__slots__}
+            return await asyncio.to_thread(fn, *args)
 
 
 # ---- the command ----------------------------------------------------------------------------------------------

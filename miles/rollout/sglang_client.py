@@ -298,8 +298,13 @@ class SGLangClient:
         self._post("/update_weights_from_distributed", body)
 
     def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
+        """Leave the group; a server that is not in it (restarted, or never joined) is already where we want it."""
         self._groups.discard(group_name)
-        self._post("/destroy_weights_update_group", {"group_name": group_name})
+        try:
+            self._post("/destroy_weights_update_group", {"group_name": group_name})
+        except EngineError as e:
+            if "does not exist" not in str(e):
+                raise
 
     def group_ranks(self) -> int:
         """Ranks this server takes in a weight update group: one per tensor-parallel worker on real SGLang (its

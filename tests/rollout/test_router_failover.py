@@ -32,7 +32,7 @@ def _reqs(n, step=0):
 
 
 def _served(router):
-    return [c._get("/get_load").json()["requests"] for c in router.clients]
+    return [c._get("/server_info").json()["miles"]["batcher"]["requests"] for c in router.clients]
 
 
 def test_concurrent_requests_spread_over_every_engine(fleet):

@@ -80,7 +80,7 @@ def test_a_bucket_naming_any_file_is_refused_and_the_file_is_neither_read_create
     assert after == before  # size, mtime and bytes; the missing file still missing
     assert not os.path.exists(os.path.join(shm, key))
     assert _weights(s.url) == weights
-    assert httpx.get(s.url + "/get_weight_version").json()["weight_version"] == 0
+    assert httpx.get(s.url + "/get_weight_version").json()["weight_version"] == "default"
 
 
 def test_a_bucket_smaller_than_declared_is_refused_before_it_is_mapped(serve):

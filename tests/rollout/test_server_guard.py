@@ -15,10 +15,10 @@ from miles.rollout.sglang_client import SGLangClient
 
 pytestmark = pytest.mark.timeout(120)
 
-BUMP = b'{"new_version": 4242}'
+BUMP = b'{"new_version": "4242"}'
 
 
-def _version(url: str) -> int:
+def _version(url: str) -> str:
     return httpx.get(url + "/get_weight_version").json()["weight_version"]
 
 
@@ -40,12 +40,12 @@ def test_a_cross_origin_text_plain_post_with_a_foreign_host_is_refused_and_the_w
     }
     for what, (r, status) in refused.items():
         assert r.status_code == status and r.json()["success"] is False, (what, r.status_code, r.text)
-    assert _version(s.url) == 0
+    assert _version(s.url) == "default"
     assert httpx.get(s.url + "/miles/memory").json()["tags"]["weights"]["paused"] is False
     for host in (f"localhost:{port}", f"127.0.0.1:{port}", f"[::1]:{port}"):
-        r = httpx.post(s.url + "/update_weight_version", json={"new_version": 3}, headers={"Host": host})
+        r = httpx.post(s.url + "/update_weight_version", json={"new_version": "3"}, headers={"Host": host})
         assert r.status_code == 200, (host, r.text)
-    assert _version(s.url) == 3
+    assert _version(s.url) == "3"
 
 
 def test_with_an_api_key_every_endpoint_but_health_needs_the_bearer_header(serve, monkeypatch):
@@ -55,8 +55,8 @@ def test_with_an_api_key_every_endpoint_but_health_needs_the_bearer_header(serve
     assert httpx.post(s.url + "/generate", json=body).status_code == 401
     wrong = httpx.post(s.url + "/generate", json=body, headers={"Authorization": "Bearer nope"})
     assert wrong.status_code == 401 and "API key" in wrong.json()["message"]
-    assert httpx.post(s.url + "/update_weight_version", json={"new_version": 9}).status_code == 401
-    assert _version_with(s.url, "s3cret") == 0
+    assert httpx.post(s.url + "/update_weight_version", json={"new_version": "9"}).status_code == 401
+    assert _version_with(s.url, "s3cret") == "default"
     with pytest.raises(EngineError, match="401"):
         SGLangClient(s.url).set_weight_version(9)
     req = GenerateRequest(rid="k", input_ids=[1, 2], sampling=SamplingParams(max_new_tokens=2))
@@ -67,7 +67,7 @@ def test_with_an_api_key_every_endpoint_but_health_needs_the_bearer_header(serve
     assert client.weight_version == 9
 
 
-def _version_with(url: str, key: str) -> int:
+def _version_with(url: str, key: str) -> str:
     return httpx.get(url + "/get_weight_version", headers={"Authorization": f"Bearer {key}"}).json()["weight_version"]
 
 
@@ -102,7 +102,7 @@ def test_the_host_allow_list_is_loopback_and_the_bound_host_and_reads_ipv6_host_
 
 def test_a_body_over_the_limit_is_refused_whole_or_chunked_and_the_server_keeps_serving(serve):
     s = serve(max_request_bytes=1000)
-    big = b'{"new_version": 7, "pad": "' + b"x" * 2000 + b'"}'
+    big = b'{"new_version": "7", "pad": "' + b"x" * 2000 + b'"}'
     json_ct = {"Content-Type": "application/json"}
     r = httpx.post(s.url + "/update_weight_version", content=big, headers=json_ct)
     assert r.status_code == 413 and "limit of 1000 bytes" in r.json()["message"] and "--max-request-mb" in r.text
@@ -113,9 +113,9 @@ def test_a_body_over_the_limit_is_refused_whole_or_chunked_and_the_server_keeps_
 
     r = httpx.post(s.url + "/update_weight_version", content=chunks(), headers=json_ct)
     assert r.status_code == 413 and "more than 1000" in r.json()["message"]
-    assert _version(s.url) == 0
-    ok = httpx.post(s.url + "/update_weight_version", json={"new_version": 5})
-    assert ok.status_code == 200 and _version(s.url) == 5
+    assert _version(s.url) == "default"
+    ok = httpx.post(s.url + "/update_weight_version", json={"new_version": "5"})
+    assert ok.status_code == 200 and _version(s.url) == "5"
 
 
 def test_a_negative_body_limit_is_refused_naming_the_flag(capsys):
@@ -163,5 +163,5 @@ def test_a_100k_deep_json_body_is_a_400_and_the_connection_keeps_serving(serve):
                 s.url + "/update_weight_version", content=deep, headers={"Content-Type": "application/json"}
             )
             assert r.status_code == 400 and "nested too deeply" in r.json()["message"], r.text[:200]
-        assert client.post(s.url + "/update_weight_version", json={"new_version": 2}).status_code == 200
-    assert _version(s.url) == 2
+        assert client.post(s.url + "/update_weight_version", json={"new_version": "2"}).status_code == 200
+    assert _version(s.url) == "2"

@@ -103,9 +103,9 @@ def _two_free_ports() -> int:
 
 
 def _pid_on(port: int) -> int:
-    """The pid of the stand-in server at ``port`` (it reports its own in /get_server_info); 0 if none answers."""
+    """The pid of the stand-in server at ``port`` (its /server_info has it under "miles"); 0 if none answers."""
     try:
-        return httpx.get(f"http://127.0.0.1:{port}/get_server_info", timeout=2).json()["pid"]
+        return httpx.get(f"http://127.0.0.1:{port}/server_info", timeout=2).json()["miles"]["pid"]
     except (httpx.HTTPError, KeyError, ValueError):
         return 0
 
@@ -152,6 +152,7 @@ def _recovered(port: int, old_pid: int) -> bool:
     if _pid_on(port) in (0, old_pid):
         return False
     try:  # recovery gives the fresh server its peer's weight version (>= 1 after the first sync)
-        return httpx.get(f"http://127.0.0.1:{port}/get_weight_version", timeout=2).json()["weight_version"] >= 1
+        version = httpx.get(f"http://127.0.0.1:{port}/model_info", timeout=2).json()["weight_version"]
+        return version.isdigit() and int(version) >= 1  # SGLang's weight versions are strings
     except (httpx.HTTPError, KeyError, ValueError):
         return False

@@ -1,0 +1,154 @@
+"""``miles bench generate_fields``: what SGLang's /generate fields cost on ``miles serve``. Two servers run side by
+side on the same config: one from an older tree (``--base``, default c0e5705: the tree the 2026-12-04 conformance
+review checked, before detokenized text, EOS stops, stop strings, scoring and streaming) and one from this
+checkout. The same concurrent load (single-prompt /generate calls, ``return_logprob``, ``ignore_eos`` so both
+generate exactly ``--max-new-tokens``) goes to each in alternating rounds; then this checkout's server is asked
+with the new fields on (a text prompt, stop strings that never match, token texts in the log-probs, top log-probs,
+streaming, prefill scoring). Reports requests/s and tokens/s per case (median over rounds).
+
+    miles bench generate_fields --json                       # 200 requests x 3 rounds, quickstart model
+    miles bench generate_fields --base main~5 --num-requests 400
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="miles bench generate_fields")
+    p.add_argument("--base", default="c0e5705", help="git ref of the 'before' server")
+    p.add_argument("--num-requests", type=int, default=200)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--prompt-len", type=int, default=8)
+    p.add_argument("--recipe", default="quickstart")
+    p.add_argument("--set", action="append", default=[])
+    p.add_argument("--json", action="store_true", help="accepted for the CLI; the result is always JSON")
+    return p
+
+
+def _body(i: int, a, extra: dict | None = None, sampling: dict | None = None) -> dict:
+    ids = [(7 * i + j) % 250 + 1 for j in range(a.prompt_len)]
+    sp = {"max_new_tokens": a.max_new_tokens, "temperature": 1.0, "ignore_eos": True, **(sampling or {})}
+    return {"input_ids": ids, "sampling_params": sp, "return_logprob": True, **(extra or {})}
+
+
+CASES = {  # name: (extra top-level fields, extra sampling params); bodies a pre-change server also takes first
+    "plain": ({}, {}),
+    "stop_strings": ({}, {"stop": ["\n\n###", "</answer>"]}),  # checked every 16 tokens, never matching
+    "token_texts": ({"return_text_in_logprobs": True}, {}),
+    "top_logprobs_5": ({"top_logprobs_num": 5}, {}),  # one scoring forward per request
+    "text_prompt": ({"text": "Sort: 3 1 2 ->"}, {}),
+    "stream": ({"stream": True}, {}),
+    "prefill_scoring": ({"logprob_start_len": 0}, {"max_new_tokens": 0}),
+}
+
+
+async def _fire(url: str, bodies: list[dict]) -> dict:
+    import httpx
+
+    limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+
+        async def one(body):
+            if body.get("stream"):
+                async with client.stream("POST", "/generate", json=body) as r:
+                    last = None
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: {"):
+                            last = line
+                    return json.loads(last[6:])
+            if "text" in body:
+                body = {k: v for k, v in body.items() if k != "input_ids"}
+            r = await client.post("/generate", json=body)
+            r.raise_for_status()
+            return r.json()
+
+        t0 = time.perf_counter()
+        outs = await asyncio.gather(*(one(b) for b in bodies))
+        wall = time.perf_counter() - t0
+    tokens = sum(len(o["output_ids"]) for o in outs)
+    return {"requests_per_s": len(outs) / wall, "tokens_per_s": tokens / wall, "wall_s": wall}
+
+
+def _start(pythonpath: str, config_path: str) -> tuple[subprocess.Popen, str]:
+    env = {**os.environ, "PYTHONPATH": pythonpath, "OMP_NUM_THREADS": "1"}
+    argv = [sys.executable, "-m", "miles.rollout.serve_cli", "--config", config_path, "--port", "0"]
+    argv += ["--parent-pid", str(os.getpid())]
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=pythonpath)
+    for line in proc.stdout:
+        if "listening on " in line:
+            return proc, line.split("listening on ")[1].strip()
+    raise RuntimeError(f"the server from {pythonpath} exited before listening")
+
+
+def run(argv: list[str]) -> dict:
+    from miles.config import apply_overrides
+    from miles.recipes import get_recipe
+
+    a = _parser().parse_args(argv)
+    cfg = apply_overrides(get_recipe(a.recipe), [*a.set, "num_threads=1"])
+    tmp = tempfile.mkdtemp(prefix="miles-fields-")
+    base_dir = os.path.join(tmp, "base")
+    subprocess.run(
+        ["git", "-C", ROOT, "worktree", "add", "--detach", base_dir, a.base], check=True, capture_output=True
+    )
+    config_path = os.path.join(tmp, "config.json")
+    with open(config_path, "w") as f:
+        json.dump(cfg.to_dict() | {"device": "cpu"}, f)
+    procs = []
+    try:
+        before, url_before = _start(base_dir, config_path)
+        after, url_after = _start(ROOT, config_path)
+        procs = [before, after]
+        n = a.num_requests
+        plain = [_body(i, a) for i in range(n)]
+        for url in (url_before, url_after):  # warm both
+            asyncio.run(_fire(url, plain[: 4 * cfg.rollout.max_batch_size // 8 or 8]))
+        rounds: dict[str, list[dict]] = {"before/plain": [], **{f"after/{c}": [] for c in CASES}}
+        for _ in range(a.rounds):
+            rounds["before/plain"].append(asyncio.run(_fire(url_before, plain)))
+            for case, (extra, sampling) in CASES.items():
+                rounds[f"after/{case}"].append(
+                    asyncio.run(_fire(url_after, [_body(i, a, extra, sampling) for i in range(n)]))
+                )
+    finally:
+        for p in procs:
+            p.terminate()
+            p.wait(timeout=30)
+        subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force", base_dir], capture_output=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+    med = lambda rs, k: round(statistics.median(r[k] for r in rs), 1)  # noqa: E731
+    table = {
+        k: {"requests_per_s": med(v, "requests_per_s"), "tokens_per_s": med(v, "tokens_per_s")}
+        for k, v in rounds.items()
+    }
+    base_rps = table["before/plain"]["requests_per_s"]
+    for row in table.values():
+        row["vs_before_plain"] = round(row["requests_per_s"] / base_rps, 3) if base_rps else None
+    return {
+        "config": {
+            "base": a.base,
+            "num_requests": n,
+            "rounds": a.rounds,
+            "max_new_tokens": a.max_new_tokens,
+            "prompt_len": a.prompt_len,
+            "recipe": a.recipe,
+            "max_batch_size": cfg.rollout.max_batch_size,
+            "overrides": a.set,
+        },
+        "cases": table,
+        "rounds": {k: [round(r["requests_per_s"], 1) for r in v] for k, v in rounds.items()},
+    }
