@@ -15,6 +15,7 @@ from miles.preflight import check_environment
 from miles.ray_logs import drop_reported_tracebacks, quiet_startup_warnings
 from miles.threads import actor_options
 from miles.train.actor import TrainGroup, resolve_device
+from miles.watchdog import ROLLOUT_PHASES, Watchdog
 
 log = logging.getLogger("miles")
 
@@ -136,12 +137,34 @@ def _kill_ray_children() -> None:
                 pass
 
 
+def kill_process_trees(pids: list[int]) -> None:
+    """SIGKILL each process and every process it started (psutil checks that a pid still names the same process)."""
+    import psutil
+
+    procs = []
+    for pid in pids:
+        try:
+            p = psutil.Process(pid)
+            procs += [p, *p.children(recursive=True)]
+        except psutil.Error:
+            continue
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(procs, timeout=5)
+
+
 class Cluster(PlanExecutor):
     """with Cluster(cfg) as c: c.execute(plan.init, version=0); c.rollout.generate.remote(step); c.trainer.train(...)
 
     The engines start first, then the trainer's actors (no model yet); ``plan.init``'s trainer.build step builds
     the model, then calls ``on_built`` (a resumed run loads its checkpoint there) and its trainer.warmup step
-    calls ``on_warm_up``."""
+    calls ``on_warm_up``. The stall watchdog (miles.watchdog) watches from then on: ``execute``, ``generate``,
+    ``evaluate`` and ``save_checkpoint`` name its phases, and on a stall it calls ``abort``."""
+
+    PHASES = {"init": "init", "rollout_to_train": "train", "train_to_rollout": "sync"}  # execute's phase -> watched
 
     def __init__(self, cfg: RunConfig):
         import ray
@@ -168,23 +191,30 @@ class Cluster(PlanExecutor):
         # here holding no model, which the plan's trainer.build step creates
         # the engine side of rdt: its receive call waits inside the actor while Ray's transfer needs a second slot
         rdt = cfg.sync.transport == "rdt"
+        self.dead: set[str] = set()  # "rollout", "trainer": stopped by the watchdog
+        self.data_states: dict[
+            int, dict
+        ] = {}  # next_step -> the dataset position, for a checkpoint without the rollout
+        self.watchdog = Watchdog(cfg.watchdog_s, cfg.run_dir, stop=self.abort)
+        env = self.watchdog.env()  # the actors, and every process they start, register with it (miles.heartbeat)
         self.rollout = (
             ray.remote(RolloutManager)
             .options(
                 num_cpus=0.01,
                 num_gpus=0.45 * gpu,
-                **actor_options(2 if rdt else 1),  # one torch thread: miles/threads.py
+                **actor_options(2 if rdt else 1, env),  # one torch thread: miles/threads.py
                 **({"enable_tensor_transport": True} if rdt else {}),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=0),
             )
             .remote(cfg, self.device)
         )
         # the trainer's processes start meanwhile (Python and torch imports, ~6 s on 2 cores); they hold no model
-        self.trainer = TrainGroup(cfg, self.pg, num_gpus_per_actor=0.45 * gpu, wait=False)
+        self.trainer = TrainGroup(cfg, self.pg, num_gpus_per_actor=0.45 * gpu, wait=False, env=env)
         try:
             self.get(self.rollout.engine_count.remote())  # built (a launch error surfaces here, before the trainer)
             self.trainer.wait_ready()
             self.trainer.connect_sync([self.rollout])
+            self.watchdog.start()
         except BaseException:
             self.close()  # nothing left running: the engines (and servers they launched), the group, Ray
             raise
@@ -202,6 +232,38 @@ class Cluster(PlanExecutor):
 
         return ray.get(ref)
 
+    def execute(self, steps, version: int | None = None, phase: str = "") -> dict[str, int]:
+        name = self.PHASES.get(phase, phase or "init")
+        self.watchdog.phase(name, version if name == "init" else None)  # init's version is the step it starts at
+        return super().execute(steps, version, phase)
+
+    def generate(self, step: int):
+        """The rollout of RL step ``step`` (batches, metrics); the dataset's position after it is kept."""
+        self.watchdog.phase("generate", step)
+        out = self.get(self.rollout.generate.remote(step))
+        if self.cfg.data.train:  # a checkpoint after a stall on the rollout side is written without the rollout
+            self.data_states = {step + 1: self.get(self.rollout.data_state.remote(step + 1))}
+        return out
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        self.watchdog.phase("eval", step)
+        return self.get(self.rollout.evaluate.remote(step))
+
+    def abort(self, side: str) -> None:
+        """The watchdog's stop: kill the stuck side's processes and everything they started (engine and agent
+        servers, reward workers), so that the driver's wait on them ends. A stall on the rollout side (generate,
+        reward, eval) leaves the trainer, which is idle meanwhile, to save the steps before it; any other stops
+        both sides."""
+        import ray
+
+        victims = {"rollout": [self.rollout]}
+        if side not in ROLLOUT_PHASES:
+            victims |= {f"train-{r}": [a] for r, a in enumerate(self.trainer.actors)}
+        kill_process_trees([p.pid for role in victims for p in self.watchdog.processes(role)])
+        for actor in (a for actors in victims.values() for a in actors):
+            ray.kill(actor, no_restart=True)  # an actor that never registered, and Ray's own bookkeeping
+        self.dead |= {"rollout"} | ({"trainer"} if len(victims) > 1 else set())
+
     def synced(self, metrics: list[dict]) -> None:
         self.sync_metrics = metrics[0]
         if self.cfg.sync.check_weights:
@@ -216,6 +278,7 @@ class Cluster(PlanExecutor):
             check_weights(trainer, self.get(self.rollout.named_weights.remote(i)), label=f"engine {i}")
 
     def save_checkpoint(self, run_dir, next_step: int):
+        self.watchdog.phase("checkpoint")
         tags = list(TRAIN_ALL) if self.cfg.handoff.offload_train != "none" else []
         self.trainer.onload(tags)
         try:
@@ -224,8 +287,15 @@ class Cluster(PlanExecutor):
             self.trainer.offload(tags)
 
     def _write_checkpoint(self, directory: str, next_step: int) -> None:
+        from miles.rollout.manager import write_data_state
+
         self.trainer.save_checkpoint(directory)
-        self.get(self.rollout.save_data_state.remote(directory, next_step))  # the dataset's epoch position
+        if "rollout" not in self.dead:
+            self.get(self.rollout.save_data_state.remote(directory, next_step))  # the dataset's epoch position
+        elif self.cfg.data.train:
+            if next_step not in self.data_states:
+                raise RuntimeError(f"the dataset position at RL step {next_step} is not known; no checkpoint there")
+            write_data_state(directory, self.data_states[next_step])
 
     def load_data_state(self, checkpoint) -> None:
         self.get(self.rollout.load_data_state.remote(str(checkpoint)))
@@ -241,11 +311,17 @@ class Cluster(PlanExecutor):
         import ray
         from ray.util.placement_group import remove_placement_group
 
+        self.watchdog.close()
         trainer = getattr(self, "trainer", None)  # None when the engines failed to start
         try:
-            if trainer is not None:
+            if trainer is not None and "trainer" not in self.dead:
                 trainer.close()
-            ray.get(self.rollout.close.remote(), timeout=60)  # stops launched engine servers (ray.kill skips atexit)
+            if "rollout" not in self.dead:
+                ray.get(self.rollout.close.remote(), timeout=60)  # stops launched engine servers (ray.kill: no atexit)
+        except Exception:
+            if not self.dead:
+                raise
+            log.warning("after the stall, the processes left did not close cleanly; they are killed", exc_info=True)
         finally:
             for a in (trainer.actors if trainer is not None else []) + [self.rollout]:
                 ray.kill(a)

@@ -296,6 +296,10 @@ class RunConfig:
     ray_address: str = ""  # "" starts a local Ray; "ray://host:10001" or "auto" joins a cluster
     num_threads: int = 0  # torch threads per actor; 0 = all cores
     dump_rollouts: bool = True  # per-step samples and per-token columns for the dashboard
+    # seconds without progress before the run stops with every process's Python stacks in run_dir/stall-<UTC>/;
+    # after 3 RL steps, generate/reward/train/sync get min(this, max(60, 10 x the slowest step)); 0 = off
+    # (miles.watchdog says what counts as progress)
+    watchdog_s: float = 900.0
     model: ModelConfig = field(default_factory=ModelConfig)  # the decoder: architecture, sizes, checkpoint, tokenizer
     task: TaskConfig = field(default_factory=TaskConfig)  # generated prompts with a known answer (without data.train)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)  # generation, engines and advantages
@@ -318,6 +322,7 @@ class RunConfig:
         # torch takes any count and crashes later (10**6 threads: a segfault); 4096 is above any one machine's
         # hardware threads
         check("num_threads", self.num_threads, ge=0, le=MAX_THREADS, fix="torch threads per actor; 0 = all cores")
+        check("watchdog_s", self.watchdog_s, ge=0, fix="seconds without progress before a run is stopped; 0 = off")
         if self.num_steps < 0 or self.checkpoint_every < 0:
             raise ValueError(
                 f"num_steps = {self.num_steps} and checkpoint_every = {self.checkpoint_every} must be >= 0"

@@ -17,6 +17,7 @@ from miles.planner import resolve_plan
 from miles.rollout.tasks import RewardError
 from miles.run_dir import RunDir
 from miles.trackers import Trackers
+from miles.watchdog import StallError
 
 log = logging.getLogger("miles")
 
@@ -30,26 +31,27 @@ def train(cfg: RunConfig, *, progress: bool = True, stop: threading.Event | None
         log.info(plan.describe())
         with Cluster(cfg) as c, Trackers.open(cfg.log, run, config=cfg.to_dict()):
             book = Bookkeeper(cfg, run, c, on_step)
-            start = book.find_checkpoint()
-            c.on_built = book.resume  # the trainer exists from the plan's trainer.build step on
-            c.on_warm_up = lambda: book.saved_step is None and warmup(cfg, c, book)  # a resumed run is warm
-            book.ledger(-1, c.execute(plan.init, version=start))
-            with StopOnCtrlC(stop) as stop:  # the first Ctrl-C ends the loop at a step boundary, saved
-                for step in book.progress(range(start, cfg.num_steps), progress):
-                    if stop.is_set():
-                        book.checkpoint(step, reason="stopped")
-                        book.evaluate(step, end=True)
-                        break
-                    book.evaluate(step)
-                    t0 = time.perf_counter()
-                    batches, rollout = book.generate(step)
-                    moved = c.execute(plan.rollout_to_train)
-                    results = c.trainer.train(batches, want_log_probs=cfg.dump_rollouts, step=step)
-                    moved |= c.execute(plan.train_to_rollout, version=step + 1)
-                    book.record(step, rollout, results, moved, time.perf_counter() - t0)
-                else:
-                    book.checkpoint(cfg.num_steps, reason="end")
-                    book.evaluate(cfg.num_steps, end=True)
+            with book.stops_on_stall():  # the stall watchdog (miles.watchdog) ends the run here, in one line
+                start = book.find_checkpoint()
+                c.on_built = book.resume  # the trainer exists from the plan's trainer.build step on
+                c.on_warm_up = lambda: book.saved_step is None and warmup(cfg, c, book)  # a resumed run is warm
+                book.ledger(-1, c.execute(plan.init, version=start, phase="init"))
+                with StopOnCtrlC(stop) as stop:  # the first Ctrl-C ends the loop at a step boundary, saved
+                    for step in book.progress(range(start, cfg.num_steps), progress):
+                        if stop.is_set():
+                            book.checkpoint(step, reason="stopped")
+                            book.evaluate(step, end=True)
+                            break
+                        book.evaluate(step)
+                        t0 = time.perf_counter()
+                        batches, rollout = book.generate(step)
+                        moved = c.execute(plan.rollout_to_train, phase="rollout_to_train")
+                        results = c.trainer.train(batches, want_log_probs=cfg.dump_rollouts, step=step)
+                        moved |= c.execute(plan.train_to_rollout, version=step + 1, phase="train_to_rollout")
+                        book.record(step, rollout, results, moved, time.perf_counter() - t0)
+                    else:
+                        book.checkpoint(cfg.num_steps, reason="end")
+                        book.evaluate(cfg.num_steps, end=True)
     return book.rows
 
 
@@ -59,6 +61,7 @@ def warmup(cfg: RunConfig, c: Cluster, book: "Bookkeeper") -> None:
     if n:  # the progress bar counts RL steps: without this line the warm-up passes in silence
         log.info("supervised warm-up: %d steps (trainer.warmup_sft_steps) before RL step 0", n)
     for i in range(n):
+        c.watchdog.phase("warm-up")  # each supervised step is progress
         batches = c.get(c.rollout.sft_batches.remote(i))
         m = c.trainer.sft(batches, lr=cfg.trainer.warmup_sft_lr)[0]
         book.run_dir.append_metrics({"phase": "sft", "sft_step": i, **m})
@@ -99,7 +102,7 @@ class Bookkeeper:
 
     def generate(self, step: int):
         try:
-            return self.c.get(self.c.rollout.generate.remote(step))
+            return self.c.generate(step)
         except Exception as e:
             cause = _root_cause(e)
             if isinstance(cause, RewardError):
@@ -111,6 +114,8 @@ class Bookkeeper:
             raise
 
     def record(self, step: int, rollout: dict, results: list, moved: dict, seconds: float) -> None:
+        self.c.watchdog.step_done(seconds)
+        self.c.watchdog.phase("record")
         train = _mean([m for m, _ in results])
         events, samples = self.c.drain_ledgers()
         peaks = self.ledger(step, moved, events, samples)
@@ -141,7 +146,7 @@ class Bookkeeper:
         e = self.cfg.eval
         due = end or (step == 0 and e.at_start) or (e.every and step and step % e.every == 0)
         if self.cfg.data.eval and due:
-            metrics = self.c.get(self.c.rollout.evaluate.remote(step))
+            metrics = self.c.evaluate(step)
             since = time.perf_counter() - self.t_start
             self.run_dir.append_metrics({"step": step, "phase": "eval", **metrics, "time/since_start": since})
             log.info("eval at step %d: %s", step, {k: round(v, 3) for k, v in metrics.items() if "/all/" in k})
@@ -194,6 +199,27 @@ class Bookkeeper:
             ) from None
         self.saved_step = next_step
         log.info("checkpoint %s (%s)", path, reason)
+
+    @contextlib.contextmanager
+    def stops_on_stall(self):
+        """A stall (miles.watchdog) ends the run with StallError: one line naming the phase, the directory of the
+        stacks, and what a rerun resumes from. After a stall on the rollout side (generate, reward, eval) the
+        trainer is sound, so the steps before it are saved first, as after a failed reward; after any other, the
+        newest checkpoint on disk is what is kept."""
+        try:
+            yield
+        except Exception:
+            if self.c.watchdog.stall is None:
+                raise
+        stall = self.c.watchdog.stall
+        if stall is None:
+            return
+        if stall.trainer_sound and stall.step is not None:
+            try:
+                self.checkpoint(stall.step, reason="stalled")
+            except Exception as e:  # the line below still says truthfully what is saved
+                log.warning("after the stall, RL steps before %d could not be saved: %s", stall.step, e)
+        raise StallError(f"{stall.line}; {saved_message(self.run_dir, lead='the run is stopped')}") from None
 
     def progress(self, steps, enabled: bool):
         if not enabled:

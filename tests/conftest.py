@@ -56,6 +56,7 @@ PROCS = {  # test files that start Ray, child processes, process groups or HTTP 
     "test_driver.py",
     "test_ray_errors.py",
     "test_threads.py",
+    "test_watchdog.py",
     "train/test_fsdp2.py",
 }
 BROWSER = {

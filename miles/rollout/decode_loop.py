@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from miles.heartbeat import beat
 from miles.rollout.forward import prefill
 from miles.rollout.sampling import sample, use_triton
 
@@ -249,6 +250,7 @@ class DecodeLoop:
                     e._step(R, bound=bound + done, flexible=flexible, suppress=suppress)
                 done += 1
             self.stats["steps"] += done
+            beat()  # progress for the stall watchdog (miles.heartbeat): cheap, at most a file touch per 0.5 s
             for r in active.values():
                 r.steps += done
             self._retire(active)

@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from miles import heartbeat
 from miles.agents.source import AgentSource
 from miles.config import RunConfig
 from miles.memory import MemoryLedger
@@ -40,6 +41,7 @@ class RolloutManager(UpdateCalls):
 
     @init_on_compute_thread("rollout-compute")  # built and run on one thread: see miles/threads.py
     def __init__(self, cfg: RunConfig, device: str = "cpu"):
+        heartbeat.name("rollout")  # under the stall watchdog: its stack file is rollout-<pid>.txt
         self.cfg = cfg
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
@@ -100,7 +102,9 @@ class RolloutManager(UpdateCalls):
 
     def _scored_round(self, key: int, rounds: RoundLog) -> list[Sample]:
         """The source's samples of ``key`` (a step, or a refill round of one), scored and overlong-shaped."""
+        heartbeat.phase("generate")
         samples, source_metrics = self.source.samples(key)
+        heartbeat.phase("reward")  # a stall from here on is the reward's (miles.watchdog)
         self.source.score(samples)
         rounds.add(source_metrics, shape_overlong_of(samples, self.cfg.rollout))
         return samples
@@ -116,12 +120,13 @@ class RolloutManager(UpdateCalls):
             )
         return self.evaluator.evaluate(step)
 
+    def data_state(self, next_step: int) -> dict | None:
+        """The dataset's epoch position at the start of ``next_step`` (None without a dataset)."""
+        return self.data.state_dict(next_step) if self.data is not None else None
+
     def save_data_state(self, directory: str, next_step: int) -> None:
         """The dataset's epoch position at the start of ``next_step``, beside the trainer's checkpoint files."""
-        if self.data is not None:
-            from miles.atomic import atomic_write_text
-
-            atomic_write_text(f"{directory}/data_state.json", json.dumps(self.data.state_dict(next_step)))
+        write_data_state(directory, self.data_state(next_step))
 
     def load_data_state(self, checkpoint: str) -> None:
         path = f"{checkpoint}/data_state.json"
@@ -250,6 +255,14 @@ class RolloutManager(UpdateCalls):
         for i, _ in enumerate(self.engines):
             self.ledger.sample_process(f"engine/{i}")
         return self.ledger.drain()
+
+
+def write_data_state(directory: str, state: dict | None) -> None:
+    """``state`` (RolloutManager.data_state) as the checkpoint's data_state.json; nothing for None."""
+    if state is not None:
+        from miles.atomic import atomic_write_text
+
+        atomic_write_text(f"{directory}/data_state.json", json.dumps(state))
 
 
 def spawn_http_engines(cfg, device: str, ledger=None) -> list:

@@ -27,6 +27,7 @@ from collections.abc import Iterable
 import httpx
 import torch
 
+from miles.heartbeat import beat
 from miles.http_guard import api_key_from, bearer_headers
 from miles.rollout.engine import EngineError, GenerateOutput, GenerateRequest
 from miles.rollout.sglang_api import FLATTENED_BUCKET, encode_payload, generate_body
@@ -145,6 +146,7 @@ class SGLangClient:
         if not requests:
             return []
         res = self._post("/generate", generate_body(requests, seed), _generate_bytes(requests), json_only=True)
+        beat()  # a finished call is progress for the stall watchdog (miles.heartbeat)
         return parse_outputs(res, requests, self.url + "/generate", self.vocab_size)
 
     async def agenerate(self, requests: list[GenerateRequest], *, seed: int | None = None) -> list[GenerateOutput]:
@@ -170,6 +172,7 @@ class SGLangClient:
             raise EngineUnavailable(f"{where}: {type(e).__name__}: {e}") from None
         _checked(r, bytes(raw), where)
         res = decode_json(bytes(raw), r.headers.get("content-type", ""), where)
+        beat()
         return parse_outputs(res, requests, where, self.vocab_size)
 
     async def aclose(self) -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from miles import heartbeat
 from miles.config import RunConfig
 from miles.memory import MemoryLedger
 from miles.policy.objective import resolved_trainer
@@ -33,6 +34,7 @@ class TrainActor:
     def __init__(
         self, cfg: RunConfig, rank: int, world_size: int, master_addr: str = "127.0.0.1", master_port: int = 0
     ):
+        heartbeat.name(f"train-{rank}")  # under the stall watchdog: its stack file is train-<rank>-<pid>.txt
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
@@ -179,8 +181,11 @@ class TrainGroup:
     group.offload(tags); group.onload(tags); metrics = group.update_weights(version)[0]
     """
 
-    def __init__(self, cfg: RunConfig, placement_group, num_gpus_per_actor: float, wait: bool = True):
-        """``wait=False``: return once the actors are asked for; ``wait_ready`` then waits for their processes."""
+    def __init__(
+        self, cfg: RunConfig, placement_group, num_gpus_per_actor: float, wait: bool = True, env: dict | None = None
+    ):
+        """``wait=False``: return once the actors are asked for; ``wait_ready`` then waits for their processes.
+        ``env``: more environment variables for every rank (the stall watchdog's, miles.watchdog)."""
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -198,7 +203,7 @@ class TrainGroup:
                 num_cpus=0.01,
                 num_gpus=num_gpus_per_actor,
                 **rdt,
-                **actor_options(concurrency, {"LOCAL_RANK": str(r) if num_gpus_per_actor else "0"}),
+                **actor_options(concurrency, {"LOCAL_RANK": str(r) if num_gpus_per_actor else "0", **(env or {})}),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group, placement_group_bundle_index=r),
             ).remote(cfg, r, n, "127.0.0.1", port)
             for r in range(n)
