@@ -300,6 +300,9 @@ class RunConfig:
     # after 3 RL steps, generate/reward/train/sync get min(this, max(60, 10 x the slowest step)); 0 = off
     # (miles.watchdog says what counts as progress)
     watchdog_s: float = 900.0
+    # engine and trainer compute each sampled token's log-prob with the same invariant kernels (miles.model.kernels):
+    # train_rollout_logprob_max_abs_diff reads exactly 0.0; slower forwards (benchmarks/true_on_policy.py)
+    true_on_policy: bool = False
     model: ModelConfig = field(default_factory=ModelConfig)  # the decoder: architecture, sizes, checkpoint, tokenizer
     task: TaskConfig = field(default_factory=TaskConfig)  # generated prompts with a known answer (without data.train)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)  # generation, engines and advantages
@@ -337,6 +340,7 @@ class RunConfig:
         if self.trainer.backend == "megatron" and self.device == "cpu":
             raise ValueError("trainer.backend = 'megatron' needs a GPU; use device=cuda or trainer.backend=torch")
         check_objective(self)
+        check_true_on_policy(self)
         from miles.rollout.sglang_flags import check_sglang
 
         check_sglang(self)  # what SGLang servers cannot do with this config, refused with the fix
@@ -380,3 +384,25 @@ class RunConfig:
     @classmethod
     def from_dict(cls, d: dict) -> "RunConfig":
         return build(cls, d)
+
+
+def check_true_on_policy(cfg: RunConfig) -> None:
+    """true_on_policy needs both sides on miles' own kernels: the embedded engine (in process or behind `miles
+    serve`), the torch trainer, no low-precision Linear recipe."""
+    if not cfg.true_on_policy:
+        return
+    why = []
+    if cfg.rollout.engine == "sglang":
+        why.append("rollout.engine = 'sglang' (SGLang's kernels are not miles'): use rollout.engine=embedded or http")
+    if cfg.trainer.backend == "megatron":
+        why.append(
+            "trainer.backend = 'megatron' (Megatron-core's ColumnParallel/RowParallel linears, its RMSNorm, core "
+            "attention and rotary run their own kernels, with reduction orders set by the batch shape): use "
+            "trainer.backend=torch"
+        )
+    if cfg.trainer.precision != "bf16":
+        why.append(
+            f"trainer.precision = {cfg.trainer.precision!r} (quantized Linear matmuls): use trainer.precision=bf16"
+        )
+    if why:
+        raise ValueError("true_on_policy = true needs " + "; ".join(why))

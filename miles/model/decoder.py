@@ -9,57 +9,29 @@ Logits come out in the model's dtype; upcasting happens chunk by chunk in miles.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from miles.model.config import ModelConfig
+from miles.model.kernels import STANDARD, Kernels
+from miles.model.rope import apply_rotary, rope_inv_freq, rotary_cos_sin  # noqa: F401 - importable from here
+from miles.model.rope import rotate_half as _rotate_half  # noqa: F401
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class RMSNorm(nn.Module):
+    """Holds the weight; the arithmetic is the model's kernels' (``forward`` is the standard one)."""
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x):
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
-
-def rope_inv_freq(cfg: ModelConfig, device) -> torch.Tensor:
-    """The rotary frequencies [head_dim / 2]; rope_type 'llama3' divides the low ones by rope_factor and blends
-    the band between the low- and high-frequency wavelengths (Llama 3.1's long-context scaling)."""
-    d = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, device=device, dtype=torch.int64).float() / d))
-    if cfg.rope_type == "default":
-        return inv_freq
-    old_len, factor = cfg.rope_original_max_position_embeddings, cfg.rope_factor
-    lo, hi = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > old_len / lo, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - lo) / (hi - lo)
-    blended = (1 - smooth) * scaled / factor + smooth * scaled
-    middle = (wavelen >= old_len / hi) & (wavelen <= old_len / lo)
-    return torch.where(middle, blended, scaled)
-
-
-def rotary_cos_sin(position_ids_BT: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
-    freqs = position_ids_BT.float()[..., None] * inv_freq  # [B, T, D/2]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]  # [B, 1, T, D]
-
-
-def _rotate_half(x):
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+    def forward(self, x, kern: Kernels = STANDARD):
+        return kern.rms_norm(x, self.weight, self.eps)
 
 
 @dataclass(slots=True)
@@ -94,28 +66,29 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
 
-    def forward(self, x_BTH, cos, sin, mask_B1TS, cache: KVCache | None, cache_pos: int):
+    def qkv(self, x_BTH, cos, sin, kern: Kernels):
+        """Rotated q [B, H, T, D], k and v [B, KVH, T, D] of the layer's input (the engine's prefill and decode too)."""
         cfg = self.cfg
         B, T, _ = x_BTH.shape
-        q = self.q_proj(x_BTH).view(B, T, cfg.num_attention_heads, cfg.head_dim)
-        k = self.k_proj(x_BTH).view(B, T, cfg.num_key_value_heads, cfg.head_dim)
+        q = kern.linear(x_BTH, self.q_proj).view(B, T, cfg.num_attention_heads, cfg.head_dim)
+        k = kern.linear(x_BTH, self.k_proj).view(B, T, cfg.num_key_value_heads, cfg.head_dim)
         if cfg.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.q_norm(q, kern), self.k_norm(k, kern)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
-        v = self.v_proj(x_BTH).view(B, T, cfg.num_key_value_heads, cfg.head_dim).transpose(1, 2)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        v = kern.linear(x_BTH, self.v_proj)
+        v = v.view(B, T, cfg.num_key_value_heads, cfg.head_dim).transpose(1, 2)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+
+    def forward(self, x_BTH, cos, sin, mask_B1TS, cache: KVCache | None, cache_pos: int, kern: Kernels = STANDARD):
+        B, T, _ = x_BTH.shape
+        q, k, v = self.qkv(x_BTH, cos, sin, kern)
         if cache is not None:
             ck, cv = cache.k[self.layer_idx], cache.v[self.layer_idx]
             ck[:B, :, cache_pos : cache_pos + T] = k
             cv[:B, :, cache_pos : cache_pos + T] = v
             k, v = ck[:B, :, : cache_pos + T], cv[:B, :, : cache_pos + T]
-        gqa = cfg.num_attention_heads != cfg.num_key_value_heads  # SDPA shares KV heads without copying them
-        if mask_B1TS is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_B1TS, enable_gqa=gqa)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+        out = kern.attention(q, k, v, mask_B1TS, cache_pos)
+        return kern.linear(out.transpose(1, 2).reshape(B, T, -1), self.o_proj)
 
 
 class MLP(nn.Module):
@@ -125,8 +98,8 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x, kern: Kernels = STANDARD):
+        return kern.linear(kern.silu_mul(kern.linear(x, self.gate_proj), kern.linear(x, self.up_proj)), self.down_proj)
 
 
 class DecoderLayer(nn.Module):
@@ -137,9 +110,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, mask, cache, cache_pos):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, cache_pos)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, cos, sin, mask, cache, cache_pos, kern: Kernels = STANDARD):
+        x = x + self.self_attn(self.input_layernorm(x, kern), cos, sin, mask, cache, cache_pos, kern)
+        return x + self.mlp(self.post_attention_layernorm(x, kern), kern)
 
 
 class DecoderBody(nn.Module):
@@ -159,12 +132,14 @@ class Decoder(nn.Module):
 
     Training: ``model(tokens)`` (causal attention; right padding needs no mask). Generation: prefill with the
     left-padded prompt and a boolean mask [B,1,T,S] (True = attend), then decode one token at a time with
-    ``cache_pos`` advancing.
+    ``cache_pos`` advancing. ``kernels`` (miles.model.kernels) is the arithmetic of every op, for the trainer and
+    for the engine's prefill and decode alike: STANDARD, or INVARIANT (true on-policy; right padding only, no mask).
     """
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, kernels: Kernels = STANDARD):
         super().__init__()
         self.config = cfg
+        self.kernels = kernels
         self.model = DecoderBody(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -188,13 +163,12 @@ class Decoder(nn.Module):
         B, T = input_ids_BT.shape
         if position_ids_BT is None:
             position_ids_BT = torch.arange(cache_pos, cache_pos + T, device=input_ids_BT.device).expand(B, T)
+        kern = self.kernels
         x = self.model.embed_tokens(input_ids_BT)
-        cos, sin = rotary_cos_sin(position_ids_BT, rope_inv_freq(self.config, x.device), x.dtype)
-        if mask_B1TS is None and cache is not None and (cache_pos > 0 or T == 1):
-            mask_B1TS = torch.ones(B, 1, T, cache_pos + T, dtype=torch.bool, device=x.device).tril(cache_pos)
+        cos, sin = kern.rotary_cos_sin(self.config, position_ids_BT, x.dtype)
         for layer in self.model.layers:
-            x = layer(x, cos, sin, mask_B1TS, cache, cache_pos)
-        return self.lm_head(self.model.norm(x))
+            x = layer(x, cos, sin, mask_B1TS, cache, cache_pos, kern)
+        return kern.linear(self.model.norm(x, kern), self.lm_head)
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """Parameters under Hugging Face names; a tied lm_head is left out, as HF checkpoints do."""
@@ -204,10 +178,10 @@ class Decoder(nn.Module):
         return sd
 
 
-def build_decoder(cfg: ModelConfig, *, seed: int = 0, device="cpu") -> Decoder:
+def build_decoder(cfg: ModelConfig, *, seed: int = 0, device="cpu", kernels: Kernels = STANDARD) -> Decoder:
     """A decoder in the config's dtype: loaded from ``cfg.checkpoint`` when set, else random-initialised."""
     with torch.device("meta"):
-        model = Decoder(cfg)
+        model = Decoder(cfg, kernels)
     model = model.to_empty(device=device)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight

@@ -8,7 +8,10 @@ math in one streaming pass. The trainer and the rollout engine both call ``log_p
 and rollout log-probs agree.
 
 Choose the implementation with ``impl=`` or the environment variable ``MILES_LOGPROB_IMPL``:
-``auto`` (fused kernel on CUDA when Triton is installed, eager otherwise), ``eager`` or ``fused``.
+``auto`` (fused kernel on CUDA when Triton is installed, eager otherwise), ``eager`` or ``fused``. ``invariant``
+(the trainer with ``true_on_policy``) takes the log-probs from ``miles.invariant.ops.token_log_probs``, the function
+the engine reports each sampled token's log-prob with, so both are the same bits; its entropy and its backward are
+the eager path's.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import os
 import torch
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
-IMPLS = ("auto", "eager", "fused")
+IMPLS = ("auto", "eager", "fused", "invariant")
 
 
 def log_probs_and_entropy(
@@ -42,10 +45,13 @@ def log_probs_and_entropy(
     if logits.shape[0] == 0:
         empty_T = logits[:, :0].float().sum(-1)  # FP32 [0], still attached to the graph of ``logits``
         return empty_T, (empty_T.detach().clone() if with_entropy else None)
-    if resolve_impl(impl, logits) == "fused":
+    chosen = resolve_impl(impl, logits)
+    if chosen == "fused":
         from miles.policy.fused_logprob import fused_log_probs_and_entropy
 
         lp, ent = fused_log_probs_and_entropy(logits, tokens, temperature, with_entropy, entropy_requires_grad)
+    elif chosen == "invariant":
+        lp, ent = _InvariantLogProbs.apply(logits, tokens, temperature, chunk_size, with_entropy, entropy_requires_grad)
     else:
         lp, ent = _ChunkedLogProbs.apply(logits, tokens, temperature, chunk_size, with_entropy, entropy_requires_grad)
     return lp, (ent if with_entropy else None)
@@ -65,6 +71,33 @@ def resolve_impl(impl: str | None, logits: torch.Tensor) -> str:
     if choice == "auto":
         return "fused" if fused_ok else "eager"
     return choice
+
+
+class _InvariantLogProbs(torch.autograd.Function):
+    """Log-probs by the engine's invariant log-softmax; entropy and backward as ``_ChunkedLogProbs``."""
+
+    @staticmethod
+    def forward(ctx, logits, tokens, temperature, chunk_size, with_entropy, entropy_requires_grad):
+        from miles.invariant.ops import token_log_probs
+
+        T = logits.shape[0]
+        tokens = tokens.long()
+        temperature_T = torch.full((T,), temperature, dtype=torch.float32, device=logits.device)
+        lp_T = token_log_probs(logits, tokens, temperature_T)
+        ent_T = torch.empty(T, dtype=torch.float32, device=logits.device) if with_entropy else lp_T.new_empty(0)
+        if with_entropy:
+            for s in range(0, T, chunk_size):
+                rows = slice(s, s + chunk_size)
+                _forward_chunk(logits[rows], tokens[rows], temperature, torch.empty_like(lp_T[rows]), ent_T[rows])
+        ctx.save_for_backward(logits, tokens, ent_T)
+        ctx.temperature, ctx.chunk_size = temperature, chunk_size
+        if not (with_entropy and entropy_requires_grad):
+            ctx.mark_non_differentiable(ent_T)
+        return lp_T, ent_T
+
+    @staticmethod
+    def backward(ctx, grad_lp_T, grad_ent_T):
+        return _ChunkedLogProbs.backward(ctx, grad_lp_T, grad_ent_T)
 
 
 def full_fp32_log_probs_and_entropy(

@@ -19,13 +19,26 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def mismatch_metrics(trainer_log_probs, engine_log_probs, mask) -> dict[str, float]:
-    """|log p_trainer - log p_engine| (token mean) and KL(engine || trainer) by k3 on the engine's samples."""
+    """|log p_trainer - log p_engine| (token mean and max) and KL(engine || trainer) by k3 on the engine's samples.
+    With true_on_policy the three read exactly 0.0."""
     d = (trainer_log_probs - engine_log_probs).double()  # log(p_trainer / p_engine)
     m = mask.double()
+    on = mask > 0
     return {
         "train_rollout_logprob_abs_diff": masked_mean(d.abs(), m).item(),
+        "train_rollout_logprob_max_abs_diff": d.abs()[on].max().item() if on.any() else 0.0,
         "train_rollout_kl": masked_mean(torch.expm1(d) - d, m).item(),  # exp(d) - 1 - d, exact near 0
     }
+
+
+def first_mismatch(trainer_log_probs, engine_log_probs, mask) -> tuple[int, int, float, float] | None:
+    """(row, position, trainer log-prob, engine log-prob) of the first response token, in row-major order, whose two
+    log-probs differ in any bit; None when every one agrees."""
+    differ = (trainer_log_probs != engine_log_probs) & (mask > 0)
+    if not differ.any():
+        return None
+    row, pos = (int(i) for i in differ.nonzero()[0])
+    return row, pos, float(trainer_log_probs[row, pos]), float(engine_log_probs[row, pos])
 
 
 def correction_weights(trainer_log_probs, engine_log_probs, mask, kind: str = "none", cap: float = 2.0):

@@ -330,15 +330,16 @@ class DecodeLoop:
             if any(r.sampling.min_new_tokens > 0 for r in reqs):
                 suppress_stops(st, slots_t, logits)
             flexible = any(r.sampling.top_p < 1 or r.sampling.top_k > 0 for r in reqs)
+            temperature = st.temperature[slots_t]
             tok, lp = sample(
                 logits,
-                st.temperature[slots_t],
+                temperature,
                 st.seed,
                 e._gen,
                 top_p_R=st.top_p[slots_t] if flexible else None,
                 top_k_R=st.top_k[slots_t] if flexible else None,
             )
-            advance(st, slots_t, tok, lp)
+            advance(st, slots_t, tok, e.model.kernels.sampled_log_probs(logits, tok, temperature, lp))
 
     def _reset_rows(self, slots_t: torch.Tensor, reqs: list, holders: list[int]) -> None:
         """The admitted rows' state, written with one host-to-device copy per dtype. ``holders``: the slot holding

@@ -17,6 +17,7 @@ import torch
 from miles.memory import MemoryLedger, TaggedMemory
 from miles.model.config import ModelConfig
 from miles.model.decoder import KVCache, build_decoder
+from miles.model.kernels import kernels_for
 from miles.rollout.api import (
     EngineError,
     GenerateOutput,
@@ -54,15 +55,23 @@ class EmbeddedEngine(UpdateCalls):
         owner: str = "engine/0",
         weights_policy: str = "discard",
         logprob_chunk_size: int = 1024,  # kept for callers; the fused sampler needs no chunking
+        true_on_policy: bool = False,
+        share_prefix: bool | None = None,
     ):
+        """``true_on_policy``: the invariant kernels (miles.model.kernels), so that each sampled token's reported
+        log-prob equals the trainer's bit for bit; on CUDA they replace the fused decode path, graphs kept.
+        ``share_prefix``: a group's prompt KV held once (None: on the CUDA engine)."""
         self.cfg, self.device = model_cfg, torch.device(device)
         self.max_batch_size = max_batch_size
         self.max_seq_len = max_seq_len or model_cfg.max_position_embeddings
         self.logprob_chunk_size = logprob_chunk_size
-        self.model = build_decoder(model_cfg, seed=seed, device=self.device).eval().requires_grad_(False)
-        # CUDA with Triton: fused decode kernels and graphs (q|k|v and gate|up fused before the weights register)
+        kernels = kernels_for(true_on_policy)
+        self.model = build_decoder(model_cfg, seed=seed, device=self.device, kernels=kernels)
+        self.model.eval().requires_grad_(False)
+        # CUDA with Triton: graphs, and with the standard kernels the fused decode path (q|k|v and gate|up fused
+        # before the weights register)
         self.fast = self.device.type == "cuda" and use_triton(torch.empty(0, device=self.device))
-        self.fused = fuse_projections(self.model) if self.fast else None
+        self.fused = fuse_projections(self.model) if self.fast and not kernels.invariant else None
         self.cache = KVCache.allocate(
             model_cfg, max_batch_size, self.max_seq_len, self.device, next(self.model.parameters()).dtype
         )
@@ -71,7 +80,7 @@ class EmbeddedEngine(UpdateCalls):
         self.memory.register("weights", self.model.parameters(), policy=weights_policy)
         self.memory.register("kv_cache", self.cache.tensors(), policy="discard")
         dtype = next(self.model.parameters()).dtype
-        self.rope = RopeTable(model_cfg, self.max_seq_len, self.device, dtype)
+        self.rope = RopeTable(model_cfg, self.max_seq_len, self.device, dtype, kernels)
         self.state = RowState(max_batch_size, self.max_seq_len + 1, self.device)
         self.logits = torch.empty(max_batch_size, model_cfg.vocab_size, dtype=dtype, device=self.device)
         self.graphs = None
@@ -81,7 +90,7 @@ class EmbeddedEngine(UpdateCalls):
             self.graphs = DecodeGraphs(owner, self.ledger, reserve=pool_segments(model_cfg, max_batch_size))
         # with graphs, the logits buffer they write is theirs; the eager (CPU) engine keeps the tag empty
         self.memory.register("cuda_graph", [self.logits] if self.graphs else [], policy="discard")
-        self.loop = DecodeLoop(self, share_prefix=self.fused is not None)
+        self.loop = DecodeLoop(self, share_prefix=self.fast if share_prefix is None else share_prefix)
         self.weight_version = 0
         self._lock = threading.RLock()  # held by each forward step and by weight updates
         self._running = threading.Event()
@@ -169,7 +178,7 @@ class EmbeddedEngine(UpdateCalls):
                 suppress_stops(st, rows, logits)
             tp, tk = (st.top_p[:R], st.top_k[:R]) if flexible else (None, None)
             tok, lp = sample(logits, st.temperature[:R], st.seed, self._gen, top_p_R=tp, top_k_R=tk)
-            advance(st, rows, tok, lp)
+            advance(st, rows, tok, self.model.kernels.sampled_log_probs(logits, tok, st.temperature[:R], lp))
 
         if self.graphs is None:
             forward()

@@ -14,6 +14,10 @@ the caller owns.
     fused = fuse_projections(model)                  # on CUDA: q|k|v and gate|up each one matmul
     logits_UV = prefill(model, cache, rope, ids_UP, lens_U, slots_N, src_N, fused=fused)   # the same, fused
     decode_step_fused(model, fused, cache, rope, tokens_R, lens_R, out_RV)   # Triton norm / rotary / SiLU
+
+Every op of ``prefill`` and ``decode_step`` is the model's kernels' (miles.model.kernels), the same the trainer's
+forward calls: with ``kernels=INVARIANT`` a token's logits here equal the trainer's bit for bit. The fused paths are
+the standard kernels' CUDA fast path; an invariant engine does not take them.
 """
 
 from __future__ import annotations
@@ -21,29 +25,18 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from miles.model.decoder import Decoder, KVCache, _rotate_half, rope_inv_freq, rotary_cos_sin
+from miles.model.decoder import Decoder, KVCache, _rotate_half
+from miles.model.kernels import STANDARD, Kernels
 from miles.rollout.decode_attention import decode_attention
 
 
 class RopeTable:
-    """cos/sin for every position up to max_len, computed once by the decoder's own formula (bit-equal)."""
+    """cos/sin for every position up to max_len, computed once by the kernels' own formula (bit-equal)."""
 
-    def __init__(self, cfg, max_len: int, device, dtype):
+    def __init__(self, cfg, max_len: int, device, dtype, kernels: Kernels = STANDARD):
         pos = torch.arange(max_len, device=device)[None]
-        cos, sin = rotary_cos_sin(pos, rope_inv_freq(cfg, device), dtype)
+        cos, sin = kernels.rotary_cos_sin(cfg, pos, dtype)
         self.cos, self.sin = cos[0, 0], sin[0, 0]  # [max_len, head_dim]
-
-
-def _qkv(attn, x_BTH, cos, sin):
-    cfg = attn.cfg
-    B, T, _ = x_BTH.shape
-    q = attn.q_proj(x_BTH).view(B, T, cfg.num_attention_heads, cfg.head_dim)
-    k = attn.k_proj(x_BTH).view(B, T, cfg.num_key_value_heads, cfg.head_dim)
-    if cfg.qk_norm:  # Qwen3
-        q, k = attn.q_norm(q), attn.k_norm(k)
-    q, k = q.transpose(1, 2), k.transpose(1, 2)
-    v = attn.v_proj(x_BTH).view(B, T, cfg.num_key_value_heads, cfg.head_dim).transpose(1, 2)
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
 
 
 @torch.no_grad()
@@ -61,25 +54,26 @@ def prefill(
     Returns logits [U, V]. ``fused`` (the CUDA engine's): the fused matmuls and the decode step's Triton kernels."""
     if fused is not None:
         return _prefill_fused(model, fused, cache, rope, ids_UP, lens_U, slots_N, src_N)
+    kern = model.kernels
     U, P = ids_UP.shape
     x = model.model.embed_tokens(ids_UP)
     cos, sin = rope.cos[:P][None, None], rope.sin[:P][None, None]
     for i, layer in enumerate(model.model.layers):
         attn = layer.self_attn
-        q, k, v = _qkv(attn, layer.input_layernorm(x), cos, sin)
-        o = _cache_and_attend(cache, i, slots_N, src_N, q, k, v)
-        x = x + attn.o_proj(o.transpose(1, 2).reshape(U, P, -1))
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        q, k, v = attn.qkv(layer.input_layernorm(x, kern), cos, sin, kern)
+        o = _cache_and_attend(kern, cache, i, slots_N, src_N, q, k, v)
+        x = x + kern.linear(o.transpose(1, 2).reshape(U, P, -1), attn.o_proj)
+        x = x + layer.mlp(layer.post_attention_layernorm(x, kern), kern)
     last = x[torch.arange(U, device=x.device), lens_U - 1]
-    return model.lm_head(model.model.norm(last))
+    return kern.linear(model.model.norm(last, kern), model.lm_head)
 
 
-def _cache_and_attend(cache: KVCache, i: int, slots_N, src_N, q, k, v) -> torch.Tensor:
+def _cache_and_attend(kern: Kernels, cache: KVCache, i: int, slots_N, src_N, q, k, v) -> torch.Tensor:
     """Layer ``i``'s prompt K/V into their slots, then causal attention over the prompts ([U, heads, P, D])."""
     P = k.shape[2]
     cache.k[i][:, :, :P].index_copy_(0, slots_N, k if src_N is None else k[src_N])
     cache.v[i][:, :, :P].index_copy_(0, slots_N, v if src_N is None else v[src_N])
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+    return kern.attention(q, k, v, None, 0)
 
 
 def _prefill_fused(model, fused, cache, rope, ids_UP, lens_U, slots_N, src_N) -> torch.Tensor:
@@ -102,7 +96,7 @@ def _prefill_fused(model, fused, cache, rope, ids_UP, lens_U, slots_N, src_N) ->
             q, k = a.q_norm(q), a.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-        o = _cache_and_attend(cache, i, slots_N, src_N, q, k, v)
+        o = _cache_and_attend(STANDARD, cache, i, slots_N, src_N, q, k, v)
         h = add_rmsnorm(x, a.o_proj(o.transpose(1, 2).reshape(U * P, -1)), layer.post_attention_layernorm.weight, eps)
         mlp = layer.mlp.down_proj(silu_mul(F.linear(h, fused.gate_up[i])))
         nxt = layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else model.model.norm.weight
@@ -126,6 +120,8 @@ def decode_step(
 ) -> torch.Tensor:
     """One token per row at position ``lens_R[r]`` (its K/V written there); logits into ``out_RV``. ``prefix``:
     (slot_R, len_R), a row's positions below len_R read from cache slot slot_R (a group's shared prompt)."""
+    kern = model.kernels
+    attend = kern.decode_attention or decode_attention  # the invariant set brings its own; else the engine's
     R = tokens_R.shape[0]
     rows = torch.arange(R, device=tokens_R.device)
     x = model.model.embed_tokens(tokens_R[:, None])  # [R, 1, H]
@@ -133,16 +129,14 @@ def decode_step(
     filled = lens_R + 1
     for i, layer in enumerate(model.model.layers):
         attn = layer.self_attn
-        q, k, v = _qkv(attn, layer.input_layernorm(x), cos, sin)
+        q, k, v = attn.qkv(layer.input_layernorm(x, kern), cos, sin, kern)
         cache.k[i][rows, :, lens_R] = k[:, :, 0]
         cache.v[i][rows, :, lens_R] = v[:, :, 0]
-        o = decode_attention(
-            q[:, :, 0], cache.k[i], cache.v[i], filled, bound=bound, num_splits=num_splits, prefix=prefix
-        )
-        x = x + attn.o_proj(o.reshape(R, 1, -1))
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
-    h = model.model.norm(x[:, 0])
-    return torch.mm(h, model.lm_head.weight.t(), out=out_RV)
+        o = attend(q[:, :, 0], cache.k[i], cache.v[i], filled, bound=bound, num_splits=num_splits, prefix=prefix)
+        x = x + kern.linear(o.reshape(R, 1, -1), attn.o_proj)
+        x = x + layer.mlp(layer.post_attention_layernorm(x, kern), kern)
+    h = model.model.norm(x[:, 0], kern)
+    return kern.logits_into(h, model.lm_head.weight, out_RV)
 
 
 class FusedProjections:

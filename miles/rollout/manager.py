@@ -65,6 +65,7 @@ class RolloutManager(UpdateCalls):
                     owner=f"engine/{i}",
                     weights_policy=policy,
                     logprob_chunk_size=cfg.trainer.logprob_chunk_size,
+                    true_on_policy=cfg.true_on_policy,
                 )
                 for i in range(r.num_engines)
             ]

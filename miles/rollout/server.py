@@ -178,4 +178,5 @@ def build_engine(cfg, device: str, owner: str = "engine/0") -> EmbeddedEngine:
         owner=owner,
         weights_policy="host" if cfg.handoff.engine_host_mirror else "discard",
         logprob_chunk_size=cfg.trainer.logprob_chunk_size,
+        true_on_policy=cfg.true_on_policy,
     )

@@ -79,6 +79,7 @@ class TrainActor:
             ledger=self.ledger,
             offload_policy=h.offload_train,
             disk_dir=os.path.join(cfg.run_dir, "offload", f"rank{rank}"),
+            true_on_policy=cfg.true_on_policy,
         )
 
     def connect_sync(self, engines) -> None:

@@ -215,9 +215,13 @@ class MegatronBackend(TorchBackend):
         offload_policy: str = "host",
         disk_dir: str | None = None,
         distributed_optimizer: bool | None = None,
+        true_on_policy: bool = False,
     ):
         """``distributed_optimizer``: shard FP32 masters and Adam state over the data-parallel ranks; default: when
-        world_size > 1 (with one rank it is Megatron's distributed-optimizer code path over a group of one)."""
+        world_size > 1 (with one rank it is Megatron's distributed-optimizer code path over a group of one).
+        ``true_on_policy`` is refused: GPTModel's forward runs Megatron's own modules (see RunConfig's check)."""
+        if true_on_policy:
+            raise ValueError("true_on_policy needs trainer.backend=torch: Megatron's GPTModel runs its own kernels")
         mc = import_megatron()
         self.device = torch.device(device)
         if self.device.type != "cuda":

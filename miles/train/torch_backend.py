@@ -8,6 +8,7 @@ by tag, clear_memory). Tags: ``params``, ``grads``, ``optimizer`` (``ref`` when 
 from __future__ import annotations
 
 import copy
+import logging
 import math
 import time
 from collections.abc import Iterator
@@ -19,14 +20,16 @@ from miles.config import TrainerConfig
 from miles.memory import MemoryLedger, TaggedMemory
 from miles.model.config import ModelConfig
 from miles.model.decoder import build_decoder
+from miles.model.kernels import kernels_for
 from miles.policy.kl import kl_estimate, kl_penalised_advantages
 from miles.policy.logprob import log_probs_and_entropy
 from miles.policy.loss import masked_mean, policy_loss
-from miles.policy.rollout_correction import correction_weights, mismatch_metrics
+from miles.policy.rollout_correction import correction_weights, first_mismatch, mismatch_metrics
 from miles.policy.schedule import lr_at
 from miles.samples import TrainBatch
 
 TRAIN_TAGS = ("params", "grads", "optimizer", "quant_workspace")
+log = logging.getLogger(__name__)
 
 
 class NonFiniteTrainingError(RuntimeError):
@@ -62,12 +65,17 @@ class TorchBackend:
         ledger: MemoryLedger | None = None,
         offload_policy: str = "host",
         disk_dir: str | None = None,
+        true_on_policy: bool = False,
     ):
+        """``true_on_policy``: the forward (and the log-probs) by the invariant kernels the engine uses, so the
+        trainer's log-prob of each sampled token equals the engine's bit for bit; the backward stays standard."""
         self.cfg, self.model_cfg = cfg, model_cfg
         self.rank, self.world_size, self.device = rank, world_size, torch.device(device)
         self.temperature = temperature
         torch.manual_seed(seed)
-        self.model = build_decoder(model_cfg, seed=seed, device=self.device)
+        self.model = build_decoder(model_cfg, seed=seed, device=self.device, kernels=kernels_for(true_on_policy))
+        self.true_on_policy = true_on_policy
+        self.logprob_impl = "invariant" if true_on_policy else None  # None: MILES_LOGPROB_IMPL / auto
         if cfg.precision != "bf16":
             from miles.quant import apply_precision
 
@@ -126,6 +134,7 @@ class TorchBackend:
             chunk_size=self.cfg.logprob_chunk_size,
             with_entropy=with_entropy,
             entropy_requires_grad=with_entropy and self.cfg.entropy_coef > 0,
+            impl=self.logprob_impl,
         )
         pad = lp.new_zeros(N, 1)
         lp = torch.cat([pad, lp.view(N, T)], 1)
@@ -169,6 +178,8 @@ class TorchBackend:
             metrics["grad_norm"] = self._optimizer_step(at, out.loss)
         self.last_log_probs = torch.cat(seen)  # [N, L] log-probs before the update (for dumps and dashboards)
         metrics |= mismatch_metrics(self.last_log_probs, batch.rollout_log_probs, batch.loss_mask)
+        if self.true_on_policy and metrics["train_rollout_logprob_max_abs_diff"] != 0.0:
+            _log_first_mismatch(where, self.last_log_probs, batch)
         metrics["train_time"] = time.perf_counter() - t0
         return metrics
 
@@ -302,6 +313,15 @@ class TorchBackend:
         self.optimizer.zero_grad(set_to_none=True)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def _log_first_mismatch(where: str, trainer_log_probs: torch.Tensor, batch: TrainBatch) -> None:
+    row, pos, ours, theirs = first_mismatch(trainer_log_probs, batch.rollout_log_probs, batch.loss_mask)
+    log.warning(
+        "true_on_policy: %s: the trainer's log-prob differs from the engine's; first at sample %d (row %d), token "
+        "position %d: trainer %r, engine %r (a kernel outside miles.model.kernels, or weights not synced)",
+        where, batch.sample_index[row], row, pos, ours, theirs,
+    )  # fmt: skip
 
 
 def _accumulate(acc: dict, new: dict, n: int) -> dict:

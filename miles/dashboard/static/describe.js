@@ -18,6 +18,7 @@ const EXACT = {
   samples_per_s: "samples per second of the whole RL step",
   train_time: "seconds the trainer spent in log-probs, loss, backward and the optimizer step",
   train_rollout_logprob_abs_diff: "mean |train log-prob - rollout log-prob| per response token: the train/rollout mismatch",
+  train_rollout_logprob_max_abs_diff: "largest |train log-prob - rollout log-prob| over the step's response tokens: exactly 0 with true_on_policy",
   weight_version: "the weight version the engines served after this step's sync",
   "sft/sft_loss": "cross-entropy of the supervised warm-up step (before the RL steps)",
   "sft/grad_norm": "gradient norm of the supervised warm-up step",
