@@ -259,10 +259,10 @@ class Cluster(PlanExecutor):
         victims = {"rollout": [self.rollout]}
         if side not in ROLLOUT_PHASES:
             victims |= {f"train-{r}": [a] for r, a in enumerate(self.trainer.actors)}
+        self.dead |= {"rollout"} | ({"trainer"} if len(victims) > 1 else set())  # before the driver wakes up
         kill_process_trees([p.pid for role in victims for p in self.watchdog.processes(role)])
         for actor in (a for actors in victims.values() for a in actors):
             ray.kill(actor, no_restart=True)  # an actor that never registered, and Ray's own bookkeeping
-        self.dead |= {"rollout"} | ({"trainer"} if len(victims) > 1 else set())
 
     def synced(self, metrics: list[dict]) -> None:
         self.sync_metrics = metrics[0]

@@ -214,6 +214,7 @@ class Bookkeeper:
         stall = self.c.watchdog.stall
         if stall is None:
             return
+        self.c.watchdog.stopped.wait(60)  # the stuck side's processes are gone (the driver woke as they died)
         if stall.trainer_sound and stall.step is not None:
             try:
                 self.checkpoint(stall.step, reason="stalled")

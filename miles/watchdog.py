@@ -106,6 +106,7 @@ class Watchdog:
         self.directory = Path(tempfile.mkdtemp(prefix="miles-watch-")) if watchdog_s > 0 else None
         self.phase_name, self.step, self.since = "init", None, time.time()
         self.stall: Stall | None = None
+        self.stopped = threading.Event()  # set once ``stop`` has returned after the first stall
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -175,3 +176,5 @@ class Watchdog:
             self.stop("everything" if everything else phase)
         except Exception:
             log.exception("stall: stopping the stuck processes failed")
+        finally:
+            self.stopped.set()

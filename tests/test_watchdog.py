@@ -31,6 +31,7 @@ from tests.conftest import tiny_run_cfg
 pytestmark = pytest.mark.timeout(600)
 
 WATCHDOG_S = 12  # long enough that no healthy phase of a tiny run on a loaded 2-core machine comes near it
+REWARD_WATCHDOG_S = 30  # the first reward phase may start reward worker processes (torch imports) under load
 FLAG = Path(tempfile.gettempdir()) / f"miles-stall-{hashlib.sha1(__file__.encode()).hexdigest()[:12]}"
 
 
@@ -100,7 +101,7 @@ def clusters(monkeypatch):
     return made
 
 
-def _cfg(tmp_path, *overrides):
+def _cfg(tmp_path, *overrides, watchdog_s=WATCHDOG_S):
     patient_rewards = (
         ["data.reward_timeout_s=600"] if "reward_timeout_s" in {f.name for f in dataclasses.fields(DataConfig)} else []
     )  # a reward time limit (where there is one) would end the reward stall first; here the watchdog must
@@ -108,7 +109,7 @@ def _cfg(tmp_path, *overrides):
         tmp_path,
         "trainer.warmup_sft_steps=0",
         "num_steps=3",
-        f"watchdog_s={WATCHDOG_S}",
+        f"watchdog_s={watchdog_s}",
         *patient_rewards,
         *overrides,
     )
@@ -146,9 +147,9 @@ def _stopped(directory: Path, roles: tuple[str, ...]) -> None:
 def test_a_reward_holding_the_gil_in_a_regex_stalls_in_reward_and_the_steps_before_it_are_saved(
     tmp_path, ray_session, flag
 ):
-    cfg = _cfg(tmp_path, "checkpoint_every=0", f"task.reward={__name__}:regex_reward")
+    cfg = _cfg(tmp_path, "checkpoint_every=0", f"task.reward={__name__}:regex_reward", watchdog_s=REWARD_WATCHDOG_S)
     line, directory, _ = _stall(cfg, lambda row: flag.touch())
-    assert re.search(r"in phase reward \(RL step 1; the limit is 12 s", line), line
+    assert re.search(r"in phase reward \(RL step 1; the limit is 30 s", line), line
     assert "RL steps before 1 are saved in" in line and (Path(cfg.run_dir) / "checkpoints/step_000001").is_dir()
     files = _stacks(directory)
     stuck = [role for role, text in files.items() if "in regex_reward" in text]
@@ -199,6 +200,7 @@ def test_a_verifier_that_never_returns_in_eval_is_a_stall_in_eval_and_the_rerun_
         "eval.at_start=false",
         "eval.k=1",
         "eval.max_problems=2",
+        watchdog_s=REWARD_WATCHDOG_S,
     )
     line, directory, _ = _stall(cfg, lambda row: flag.touch())
     assert "in phase eval (RL step 1;" in line and "RL steps before 1 are saved" in line, line
