@@ -91,7 +91,7 @@ def floor_seconds(cfg: ModelConfig, num_params: int, rows: int, prompt: int, new
 
 
 def requests(rows: int, prompt: int, new: int, group: int, vocab: int, seed: int = 0):
-    from miles.rollout.engine import GenerateRequest, SamplingParams
+    from miles.protocols.engine import GenerateRequest, SamplingParams
 
     g = torch.Generator().manual_seed(seed)
     prompts = torch.randint(1, vocab, (rows // group, prompt), generator=g).tolist()

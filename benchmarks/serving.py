@@ -12,7 +12,7 @@ import argparse
 import asyncio
 import time
 
-from miles.rollout.engine import GenerateRequest, SamplingParams
+from miles.protocols.engine import GenerateRequest, SamplingParams
 
 
 def _parser() -> argparse.ArgumentParser:

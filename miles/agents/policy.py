@@ -13,7 +13,8 @@ import threading
 from dataclasses import dataclass
 from typing import Protocol
 
-from miles.rollout.engine import EmbeddedEngine, EngineError, GenerateRequest, SamplingParams
+from miles.protocols.engine import EngineError, GenerateRequest, SamplingParams
+from miles.rollout.engine import EmbeddedEngine
 
 
 @dataclass(kw_only=True, slots=True)

@@ -37,7 +37,7 @@ from miles.agents.run_token import KEY_HINT, server_token
 from miles.agents.tool_calls import parse_tool_calls
 from miles.http_connections import guarded_protocol
 from miles.http_guard import HttpGuard, allowed_hosts
-from miles.rollout.engine import EngineError, SamplingParams
+from miles.protocols.engine import EngineError, SamplingParams
 
 
 @dataclass(slots=True)

@@ -15,7 +15,7 @@ from math import comb
 
 from miles.data.dataset import PromptRow, check_no_overlap, load_split
 from miles.data.source import PromptRenderer, Verifiers, complete, max_prompt_tokens
-from miles.rollout.engine import SamplingParams
+from miles.protocols.engine import SamplingParams
 from miles.samples import Sample
 
 

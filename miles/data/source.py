@@ -18,7 +18,7 @@ import time
 from miles.data.config import DataConfig
 from miles.data.dataset import BadRowError, PromptDataset, PromptRow, load_split
 from miles.data.verify import REWARDS
-from miles.rollout.engine import GenerateRequest, SamplingParams
+from miles.protocols.engine import GenerateRequest, SamplingParams
 from miles.rollout.tasks import RewardError
 from miles.samples import Sample
 

@@ -11,7 +11,7 @@ import asyncio
 import logging
 from dataclasses import dataclass, field
 
-from miles.rollout.engine import EngineError, GenerateOutput, GenerateRequest
+from miles.protocols.engine import EngineError, GenerateOutput, GenerateRequest
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ wait, otherwise only when the first row reaches its length, which the host knows
 A call made while another one runs joins it: its requests enter the running loop's queue (and take its
 random stream; their seed is not used), and the call returns when its own requests are done.
 
-A request may carry a ``watch`` (miles.rollout.api.RowWatch: stop strings, streaming): at each check the loop
+A request may carry a ``watch`` (miles.protocols.engine.RowWatch: stop strings, streaming): at each check the loop
 shows it the row's tokens so far, and a returned count ends the row there (finish reason "stop"). Rows with
 ``min_new_tokens`` have their stop tokens suppressed (logits -inf) until they have that many tokens, as SGLang's
 min-new-tokens penalizer does. ``pause_generation("retract")`` (the engine's) returns every running row to the

@@ -18,17 +18,17 @@ from miles.memory import MemoryLedger, TaggedMemory
 from miles.model.config import ModelConfig
 from miles.model.decoder import KVCache, build_decoder
 from miles.model.kernels import kernels_for
-from miles.rollout.api import (
+from miles.protocols.engine import (
     EngineError,
     GenerateOutput,
     GenerateRequest,
     SamplingParams,  # noqa: F401 - re-exported: callers import the request types from here
+    UpdateCalls,
     WeightsNotSynced,
 )
 from miles.rollout.decode_loop import STOP_SLOTS, DecodeLoop, RowState, advance, suppress_stops
 from miles.rollout.forward import RopeTable, decode_step, decode_step_fused, fuse_projections
 from miles.rollout.sampling import sample, use_triton
-from miles.sync.receiver import UpdateCalls
 
 ENGINE_TAGS = ("weights", "kv_cache", "cuda_graph")
 

@@ -24,7 +24,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from miles.rollout.api import GenerateRequest, SamplingParams
+from miles.protocols.engine import GenerateRequest, SamplingParams
 from miles.rollout.sglang_api import WireError
 
 MIN_TEMPERATURE = 1e-6  # below it (but not 0) logits / temperature overflow float32: NaN probabilities

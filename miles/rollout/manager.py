@@ -19,7 +19,7 @@ from miles.config import RunConfig
 from miles.memory import MemoryLedger
 from miles.model.tokenizer import load_tokenizer
 from miles.policy.dapo import fill_groups, round_key
-from miles.rollout.api import ReceivesInProcess, supports
+from miles.protocols.engine import ReceivesInProcess, UpdateCalls, supports
 from miles.rollout.engine import EmbeddedEngine
 from miles.rollout.launch import spawn_miles_servers, spawn_sglang_servers
 from miles.rollout.router import Router
@@ -28,7 +28,6 @@ from miles.rollout.sglang_flags import STANDIN
 from miles.rollout.sources import SampleSource, TaskSource
 from miles.rollout.tail import RoundLog, assign_advantages, rollout_metrics, shape_overlong_of, to_shards
 from miles.samples import Sample, TrainBatch
-from miles.sync.receiver import UpdateCalls
 from miles.threads import init_on_compute_thread, on_compute_thread
 
 
@@ -315,7 +314,7 @@ def engine_health(engines) -> dict[str, int]:
     return {"engines/live": live, "engines/recovered": recovered}
 
 
-# Engine calls (miles.rollout.api.Engine, Transactional) that the manager makes on every engine it drives, in order.
+# Engine calls (miles.protocols.engine.Engine, Transactional) that the manager makes on every engine it drives, in order.
 FANNED_OUT = (
     "pause_generation",
     "continue_generation",
@@ -334,7 +333,7 @@ def _fan_out(name: str):
             getattr(e, name)(*args, **kwargs)
 
     each_engine.__name__, each_engine.__qualname__ = name, f"RolloutManager.{name}"
-    each_engine.__doc__ = f"``{name}`` on every engine, in order (miles.rollout.api)."
+    each_engine.__doc__ = f"``{name}`` on every engine, in order (miles.protocols.engine)."
     return each_engine
 
 

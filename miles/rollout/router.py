@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 
-from miles.rollout.engine import GenerateOutput, GenerateRequest
+from miles.protocols.engine import GenerateOutput, GenerateRequest
 from miles.rollout.sglang_client import EngineUnavailable, SGLangClient
 
 log = logging.getLogger(__name__)

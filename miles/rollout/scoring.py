@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from miles.rollout.api import EngineError
+from miles.protocols.engine import EngineError
 
 
 @dataclass(slots=True)

@@ -37,9 +37,10 @@ from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 
 from miles.http_guard import LOOPBACK_HOSTS, HttpGuard
+from miles.protocols.engine import WeightsNotSynced
 from miles.rollout import openai_server, server_control, server_generate, server_info, server_weights
 from miles.rollout.batcher import GenerateBatcher
-from miles.rollout.engine import EmbeddedEngine, WeightsNotSynced
+from miles.rollout.engine import EmbeddedEngine
 from miles.rollout.group_calls import GroupCalls, GroupJoinPending
 from miles.rollout.serve_http import Conflict, error, read_body  # noqa: F401 - read_body: re-exported
 from miles.rollout.sglang_api import WireError

@@ -17,7 +17,7 @@ import time
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
-from miles.rollout.api import GenerateOutput, GenerateRequest, SamplingParams
+from miles.protocols.engine import GenerateOutput, GenerateRequest, SamplingParams
 from miles.rollout.generate_call import GenerateCall, parse_generate
 from miles.rollout.scoring import score
 from miles.rollout.serve_http import error, read_body

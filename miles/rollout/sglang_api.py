@@ -12,7 +12,8 @@ import io
 
 import torch
 
-from miles.rollout.engine import ENGINE_TAGS, GenerateRequest
+from miles.protocols.engine import GenerateRequest
+from miles.rollout.engine import ENGINE_TAGS
 from miles.sync.flat_bucket import BucketHandle, TensorMeta
 
 FLATTENED_BUCKET = "flattened_bucket"  # load_format of a serialized BucketHandle (shared memory / CUDA IPC)

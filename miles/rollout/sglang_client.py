@@ -29,7 +29,7 @@ import torch
 
 from miles.heartbeat import beat
 from miles.http_guard import api_key_from, bearer_headers
-from miles.rollout.engine import EngineError, GenerateOutput, GenerateRequest
+from miles.protocols.engine import EngineError, GenerateOutput, GenerateRequest
 from miles.rollout.sglang_api import FLATTENED_BUCKET, encode_payload, generate_body
 from miles.rollout.sglang_responses import (  # noqa: F401 - EngineUnavailable re-exported for the router
     EngineResponseError,

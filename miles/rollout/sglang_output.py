@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 
-from miles.rollout.api import GenerateOutput
+from miles.protocols.engine import GenerateOutput
 from miles.rollout.generate_call import Prompt
 from miles.rollout.scoring import Scores
 

@@ -14,7 +14,7 @@ import json
 import math
 from typing import Any
 
-from miles.rollout.api import GenerateOutput, GenerateRequest
+from miles.protocols.engine import GenerateOutput, GenerateRequest
 
 
 class EngineUnavailable(RuntimeError):

@@ -16,7 +16,7 @@ import time
 from typing import Protocol
 
 from miles.config import RunConfig
-from miles.rollout.engine import GenerateRequest, SamplingParams
+from miles.protocols.engine import GenerateRequest, SamplingParams
 from miles.rollout.tasks import Task
 from miles.samples import Sample
 

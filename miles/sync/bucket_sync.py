@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import torch
 
-from miles.rollout.api import Transactional, TwoCallUpdate, supports
+from miles.protocols.engine import Transactional, TwoCallUpdate, supports
 from miles.sync import SyncError
 from miles.sync.buckets import Piece, WeightManifest, fused_group, plan_buckets
 from miles.sync.calls import submit, wait
@@ -53,7 +53,7 @@ class BucketSync:
     """Template for transports that move buckets: subclasses implement ``_send(index, pieces)`` (and may
     override ``_start``/``_finish``); this class runs pause -> flush -> begin -> buckets -> commit -> continue
     and aborts the update on every engine when anything fails in between. An engine with ``open_weight_update`` /
-    ``commit_weight_update`` (miles.sync.receiver.UpdateCalls) gets the steps around the buckets in two calls.
+    ``commit_weight_update`` (miles.protocols.engine.UpdateCalls) gets the steps around the buckets in two calls.
 
         sync = TensorSync(cfg, "cpu"); sync.connect([engine])
         sync.update(backend.named_weights(), version=1)      # every trainer rank calls it
@@ -73,7 +73,7 @@ class BucketSync:
     def connect(self, engines: list[Any]) -> None:
         self.engines = list(engines)
         self._transactional = [supports(e, Transactional) for e in self.engines]
-        self._two_calls = [supports(e, TwoCallUpdate) for e in self.engines]  # miles.sync.receiver.UpdateCalls
+        self._two_calls = [supports(e, TwoCallUpdate) for e in self.engines]  # miles.protocols.engine.UpdateCalls
         for e, ok in zip(self.engines, self._transactional):
             if not ok:
                 log.warning(

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from miles.rollout.api import ReceivesInPlace, supports
+from miles.protocols.engine import ReceivesInPlace, supports
 from miles.sync import SyncError
 from miles.sync.buckets import WeightManifest, byte_view, fused_group
 from miles.sync.calls import submit, wait

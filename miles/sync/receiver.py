@@ -215,24 +215,6 @@ class WeightReceiver:
         self._written_groups = set()
 
 
-class UpdateCalls:
-    """For an engine class with pause_generation / flush_cache / begin_weight_update / set_weight_version /
-    continue_generation: the steps around a bucketed sync's buckets in two calls instead of five
-    (miles.sync.bucket_sync.BucketSync uses them where an engine has them). Every call to an engine actor is a Ray
-    round trip (``ray_call_s`` in ``miles bench weight-sync``)."""
-
-    def open_weight_update(self, manifest) -> None:
-        self.pause_generation("in_place")
-        self.flush_cache()
-        self.begin_weight_update(manifest)
-
-    def commit_weight_update(self, version: int) -> None:
-        try:
-            self.set_weight_version(version)
-        finally:
-            self.continue_generation()
-
-
 def byte_view_of_param(p: torch.Tensor) -> torch.Tensor:
     if not p.is_contiguous():
         raise ReceiveError(f"engine parameter of shape {tuple(p.shape)} is not contiguous; cannot write bytes into it")

@@ -152,7 +152,7 @@ def test_after_a_flush_for_a_step_a_late_open_for_that_step_is_refused_and_later
 
 
 def test_embedded_policy_batches_concurrent_calls_and_matches_a_direct_generate(server):
-    from miles.rollout.engine import SamplingParams
+    from miles.protocols.engine import SamplingParams
 
     sp = SamplingParams(max_new_tokens=6, temperature=0, stop_token_ids=())
     outs: dict[int, Completion] = {}
@@ -164,7 +164,7 @@ def test_embedded_policy_batches_concurrent_calls_and_matches_a_direct_generate(
         t.start()
     for t in threads:
         t.join(timeout=30)
-    from miles.rollout.engine import GenerateRequest
+    from miles.protocols.engine import GenerateRequest
 
     ref = server.policy.engine.generate(
         [GenerateRequest(rid=f"r{i}", input_ids=[1, 2, 3 + i], sampling=sp) for i in range(4)]

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from miles.model.tokenizer import ByteTokenizer
-from miles.rollout.engine import EmbeddedEngine, EngineError, GenerateRequest, SamplingParams
+from miles.protocols.engine import EngineError, GenerateRequest, SamplingParams
+from miles.rollout.engine import EmbeddedEngine
 
 
 @pytest.fixture

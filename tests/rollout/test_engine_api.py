@@ -1,11 +1,11 @@
-"""The declared engine surface (miles.rollout.api): which engine has which capability, and supports() as the one
+"""The declared engine surface (miles.protocols.engine): which engine has which capability, and supports() as the one
 check a transport makes at connect."""
 
 import logging
 
 import pytest
 
-from miles.rollout import api
+from miles.protocols import engine as api
 from miles.rollout.engine import EmbeddedEngine
 from miles.rollout.manager import FANNED_OUT, RolloutManager
 from miles.rollout.router import Router

@@ -10,8 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from miles.protocols.engine import GenerateRequest, SamplingParams
 from miles.rollout.decode_attention import decode_attention_reference
-from miles.rollout.engine import EmbeddedEngine, GenerateRequest, SamplingParams
+from miles.rollout.engine import EmbeddedEngine
 from miles.rollout.sampling import sample_reference
 
 

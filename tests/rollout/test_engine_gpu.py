@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from miles.model.config import ModelConfig
+from miles.protocols.engine import GenerateRequest, SamplingParams
 from miles.rollout.decode_attention import decode_attention_reference
-from miles.rollout.engine import EmbeddedEngine, GenerateRequest, SamplingParams
+from miles.rollout.engine import EmbeddedEngine
 
 pytestmark = pytest.mark.gpu
 

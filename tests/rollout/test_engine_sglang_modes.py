@@ -9,7 +9,8 @@ import time
 import pytest
 import torch
 
-from miles.rollout.engine import EmbeddedEngine, GenerateRequest, SamplingParams
+from miles.protocols.engine import GenerateRequest, SamplingParams
+from miles.rollout.engine import EmbeddedEngine
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 import torch
 
-from miles.rollout.engine import GenerateRequest, SamplingParams
+from miles.protocols.engine import GenerateRequest, SamplingParams
 from miles.rollout.launch import spawn_miles_servers
 from miles.rollout.router import NoEngineAlive, Router
 from miles.rollout.sglang_client import SGLangClient
@@ -87,7 +87,7 @@ def test_a_killed_engine_is_marked_dead_the_run_goes_on_and_recovery_restores_it
 
 def test_bad_input_is_not_an_engine_failure(fleet):
     router, _ = fleet
-    from miles.rollout.engine import EngineError
+    from miles.protocols.engine import EngineError
 
     with pytest.raises(EngineError, match="outside the vocabulary"):
         router.generate([GenerateRequest(rid="bad", input_ids=[10**9])])

@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from miles.http_guard import allowed_hosts, exposure_warning, host_of
-from miles.rollout.engine import EngineError, GenerateRequest, SamplingParams
+from miles.protocols.engine import EngineError, GenerateRequest, SamplingParams
 from miles.rollout.serve_cli import main as serve_main
 from miles.rollout.sglang_client import SGLangClient
 

@@ -11,7 +11,7 @@ import httpx
 import pytest
 import torch
 
-from miles.rollout.engine import EngineError, GenerateRequest, SamplingParams
+from miles.protocols.engine import EngineError, GenerateRequest, SamplingParams
 from miles.rollout.launch import spawn_miles_servers
 from miles.rollout.server import build_engine
 from miles.rollout.sglang_client import SGLangClient

@@ -41,7 +41,7 @@ def test_launching_real_sglang_without_it_says_how_to_install_it():
 def test_a_real_sglang_server_generates_and_releases_memory_through_the_client(tmp_path):
     import os
 
-    from miles.rollout.engine import GenerateRequest, SamplingParams
+    from miles.protocols.engine import GenerateRequest, SamplingParams
 
     model = os.environ.get("MILES_SGLANG_TEST_MODEL", "Qwen/Qwen2.5-0.5B-Instruct")
     client = launch_sglang(model, log_path=str(tmp_path / "sglang.log"))

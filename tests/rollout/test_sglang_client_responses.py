@@ -12,7 +12,7 @@ import threading
 
 import pytest
 
-from miles.rollout.api import GenerateRequest, SamplingParams
+from miles.protocols.engine import GenerateRequest, SamplingParams
 from miles.rollout.sglang_client import EngineResponseError, EngineUnavailable, SGLangClient
 
 pytestmark = pytest.mark.timeout(60)

@@ -11,7 +11,8 @@ import torch
 from miles.model.checkpoint import save_hf
 from miles.model.config import ModelConfig
 from miles.model.decoder import build_decoder
-from miles.rollout.engine import EmbeddedEngine, GenerateRequest
+from miles.protocols.engine import GenerateRequest
+from miles.rollout.engine import EmbeddedEngine
 from miles.sync.disk_delta.transport import DiskDeltaConfig, DiskDeltaSync
 from miles.sync.disk_delta.version import published_versions
 

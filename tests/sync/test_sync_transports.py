@@ -104,7 +104,7 @@ def _connect_rdt_in_place(actor, engines, timeout_s: float) -> str:
 
 # ---- tests ------------------------------------------------------------------------------------------------
 def test_a_rollout_manager_actor_handle_shows_the_capabilities_of_the_class_and_every_fanned_out_call(actors):
-    from miles.rollout import api
+    from miles.protocols import engine as api
     from miles.rollout.manager import FANNED_OUT, RolloutManager
 
     _, _, engine = actors

@@ -16,7 +16,7 @@ import time
 import httpx
 import pytest
 
-from miles.rollout.api import GenerateRequest, SamplingParams
+from miles.protocols.engine import GenerateRequest, SamplingParams
 from miles.rollout.sglang_client import SGLangClient
 from miles.rollout.sglang_responses import parse_output
 from tests.rollout.conformance.conftest import A

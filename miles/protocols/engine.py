@@ -1,7 +1,8 @@
-"""The engine surface, declared once: the request and output types every engine speaks (``GenerateRequest`` with
-its ``SamplingParams``, ``GenerateOutput``, ``EngineError``), what every rollout engine has (``Engine``) and the
-optional capabilities a weight sync looks for (``Transactional``, ``TwoCallUpdate``, ``ReceivesBroadcast``,
-``ReceivesRDT``, ``ReceivesInPlace``, ``ReceivesInProcess``).
+"""The engine surface, declared once, below both the engines (miles.rollout) and the weight syncs (miles.sync): the
+request and output types every engine speaks (``GenerateRequest`` with its ``SamplingParams``, ``GenerateOutput``,
+``EngineError``), what every rollout engine has (``Engine``), the optional capabilities a weight sync looks for
+(``Transactional``, ``TwoCallUpdate``, ``ReceivesBroadcast``, ``ReceivesRDT``, ``ReceivesInPlace``,
+``ReceivesInProcess``) and ``UpdateCalls``, the two-call form of ``TwoCallUpdate`` an engine class inherits.
 
 Engines: ``EmbeddedEngine`` (in-process), ``SGLangClient`` (one HTTP server), ``Router`` (several), and the
 ``RolloutManager``, which applies each weight and memory call to every engine it drives. A transport checks a
@@ -134,7 +135,7 @@ class Transactional(Protocol):
 
 @runtime_checkable
 class TwoCallUpdate(Protocol):
-    """The steps around a bucketed update's buckets in two calls instead of five (miles.sync.receiver.UpdateCalls)."""
+    """The steps around a bucketed update's buckets in two calls instead of five (UpdateCalls below)."""
 
     def open_weight_update(self, manifest) -> None:
         """pause_generation, flush_cache, begin_weight_update."""
@@ -192,6 +193,24 @@ class ReceivesInProcess(Protocol):
     def weight_receiver(self):
         """The engine's WeightReceiver (miles.sync.receiver): a transfer made once in this process lands there."""
         ...
+
+
+class UpdateCalls:
+    """For an engine class with pause_generation / flush_cache / begin_weight_update / set_weight_version /
+    continue_generation: the steps around a bucketed sync's buckets in two calls instead of five
+    (miles.sync.bucket_sync.BucketSync uses them where an engine has them). Every call to an engine actor is a Ray
+    round trip (``ray_call_s`` in ``miles bench weight-sync``)."""
+
+    def open_weight_update(self, manifest) -> None:
+        self.pause_generation("in_place")
+        self.flush_cache()
+        self.begin_weight_update(manifest)
+
+    def commit_weight_update(self, version: int) -> None:
+        try:
+            self.set_weight_version(version)
+        finally:
+            self.continue_generation()
 
 
 def supports(engine: Any, capability: type) -> bool:
