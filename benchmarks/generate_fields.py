@@ -85,7 +85,7 @@ async def _fire(url: str, bodies: list[dict]) -> dict:
 
 def _start(pythonpath: str, config_path: str) -> tuple[subprocess.Popen, str]:
     env = {**os.environ, "PYTHONPATH": pythonpath, "OMP_NUM_THREADS": "1"}
-    argv = [sys.executable, "-m", "miles.rollout.serve_cli", "--config", config_path, "--port", "0"]
+    argv = [sys.executable, "-m", "miles.cli.serve", "--config", config_path, "--port", "0"]
     argv += ["--parent-pid", str(os.getpid())]
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=pythonpath)
     for line in proc.stdout:

@@ -49,7 +49,7 @@ class RolloutConfig:
     max_new_tokens: int = 16  # longest completion, in tokens
     temperature: float = 1.0  # sampling temperature
     top_p: float = 1.0  # nucleus sampling: the smallest token set with this probability mass; 1 = off
-    # in-process engine, the same engine over HTTP (`miles serve`), or SGLang servers (miles.rollout.sglang_flags)
+    # in-process engine, the same engine over HTTP (`miles serve`), or SGLang servers (miles.sglang_flags)
     engine: Literal["embedded", "http", "sglang"] = "embedded"
     num_engines: int = 1  # rollout engines, each with its own copy of the weights
     engine_urls: tuple[str, ...] = ()  # sglang: attach to these running servers instead of launching (never killed)
@@ -341,7 +341,7 @@ class RunConfig:
             raise ValueError("trainer.backend = 'megatron' needs a GPU; use device=cuda or trainer.backend=torch")
         check_objective(self)
         check_true_on_policy(self)
-        from miles.rollout.sglang_flags import check_sglang
+        from miles.sglang_flags import check_sglang
 
         check_sglang(self)  # what SGLang servers cannot do with this config, refused with the fix
         h = self.handoff

@@ -15,7 +15,7 @@ priced as the OS sees them (one page-rounded arena per tag, or torch's power-of-
 
     report = plan(cfg, "gb300")              # PlanReport: one row per executed step, peaks, budgets
     mode, reason = choose_mode(cfg)          # what colocate_memory_peak_device='auto' resolves to
-    miles plan --recipe gb300_kimi_k2_plan --hardware gb300 --json     (miles.planner_cli)
+    miles plan --recipe gb300_kimi_k2_plan --hardware gb300 --json     (miles.cli.plan)
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ def check_device(cfg) -> None:
 
 def check_sglang_installed(cfg) -> None:
     """rollout.engine=sglang launches ``python -m <rollout.sglang_launcher>`` here: its package must import."""
-    from miles.rollout.sglang_flags import STANDIN
+    from miles.sglang_flags import STANDIN
 
     r = cfg.rollout
     if r.engine != "sglang" or r.engine_urls or r.sglang_launcher == STANDIN:

@@ -30,8 +30,8 @@ def _delegate(module: str):
 
 
 _DELEGATED = {
-    "plan": ("miles.planner_cli", "predict device/host memory peaks of a recipe on hardware, before launching"),
-    "serve": ("miles.rollout.serve_cli", "serve the embedded engine over SGLang's HTTP API"),
+    "plan": ("miles.cli.plan", "predict device/host memory peaks of a recipe on hardware, before launching"),
+    "serve": ("miles.cli.serve", "serve the embedded engine over SGLang's HTTP API"),
     "dashboard": ("miles.dashboard.server", "browse a run directory in a web UI"),
 }
 

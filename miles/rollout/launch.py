@@ -22,7 +22,7 @@ import httpx
 
 from miles.ports import free_port
 from miles.rollout.sglang_client import SGLangClient
-from miles.rollout.sglang_flags import STANDIN, engine_gpus, parse_port_range, sglang_server_flags
+from miles.sglang_flags import STANDIN, engine_gpus, parse_port_range, sglang_server_flags
 
 log = logging.getLogger(__name__)
 READY_PREFIX = "miles serve: listening on "  # the line a `miles serve` child prints with its URL
@@ -172,7 +172,7 @@ def miles_serve_argv(
     return [
         sys.executable,
         "-m",
-        "miles.rollout.serve_cli",
+        "miles.cli.serve",
         "--config",
         config_path,
         "--host",
@@ -260,13 +260,13 @@ SGLANG_HINT = (
 
 def sglang_engine_argv(cfg, index: int, port: int, config_path: str = "") -> list[str]:
     """The command of SGLang engine ``index`` for ``cfg`` (a RunConfig): ``python -m <rollout.sglang_launcher>``
-    and SGLang's flags (miles.rollout.sglang_flags); the stand-in is ``miles serve`` taking the same flags plus
+    and SGLang's flags (miles.sglang_flags); the stand-in is ``miles serve`` taking the same flags plus
     the run config it builds its engine from."""
     flags = sglang_server_flags(cfg.rollout, cfg.handoff, cfg.model.checkpoint, port)
     if cfg.rollout.sglang_launcher != STANDIN:
         return [sys.executable, "-m", cfg.rollout.sglang_launcher, *flags]
     owner = ["--owner", f"engine/{index}", "--parent-pid", str(os.getpid())]
-    return [sys.executable, "-m", "miles.rollout.serve_cli", *flags, "--config", config_path, *owner]
+    return [sys.executable, "-m", "miles.cli.serve", *flags, "--config", config_path, *owner]
 
 
 def spawn_sglang_servers(cfg, *, device: str = "", log_dir: str = "") -> list[ServerProcess]:

@@ -24,10 +24,10 @@ from miles.rollout.engine import EmbeddedEngine
 from miles.rollout.launch import spawn_miles_servers, spawn_sglang_servers
 from miles.rollout.router import Router
 from miles.rollout.sglang_client import SGLangClient
-from miles.rollout.sglang_flags import STANDIN
 from miles.rollout.sources import SampleSource, TaskSource
 from miles.rollout.tail import RoundLog, assign_advantages, rollout_metrics, shape_overlong_of, to_shards
 from miles.samples import Sample, TrainBatch
+from miles.sglang_flags import STANDIN
 from miles.threads import init_on_compute_thread, on_compute_thread
 
 

@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from miles.cli.plan import main
 from miles.config import apply_overrides
 from miles.hardware import get_profile
 from miles.memory.host_arena import arena_footprint, caching_allocator_footprint
@@ -15,7 +16,6 @@ from miles.memory.ledger import process_rss_bytes
 from miles.memory.tagged import _aligned_offsets, allocate_host_buffer
 from miles.model.size import available_hf_configs, count_params, load_hf_config, stated_params
 from miles.planner import TagSize, choose_mode, plan
-from miles.planner_cli import main
 from miles.recipes import get_recipe, quickstart
 
 

@@ -184,9 +184,9 @@ def test_a_checkpoint_not_on_this_machine_is_kept_as_set_said_and_refused_when_t
 
 
 def test_train_plan_and_serve_take_the_model_flag_as_the_checkpoint(tmp_path, capsys):
+    from miles.cli.plan import main as plan
+    from miles.cli.serve import _parser as serve_parser
     from miles.config_args import config_from_args
-    from miles.planner_cli import main as plan
-    from miles.rollout.serve_cli import _parser as serve_parser
 
     _saved(tmp_path)
     assert plan(["--model", str(tmp_path), "--json", "--mode", "cpu"]) == 0

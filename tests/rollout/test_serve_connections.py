@@ -12,9 +12,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from miles.cli.serve import main as serve_main
 from miles.http_connections import guarded_protocol
 from miles.rollout.launch import ServerProcess, miles_serve_argv
-from miles.rollout.serve_cli import main as serve_main
 from tests.conftest import tiny_run_cfg
 
 pytestmark = pytest.mark.timeout(180)

@@ -8,9 +8,9 @@ import socket
 import httpx
 import pytest
 
+from miles.cli.serve import main as serve_main
 from miles.http_guard import allowed_hosts, exposure_warning, host_of
 from miles.protocols.engine import EngineError, GenerateRequest, SamplingParams
-from miles.rollout.serve_cli import main as serve_main
 from miles.rollout.sglang_client import SGLangClient
 
 pytestmark = pytest.mark.timeout(120)

@@ -69,7 +69,7 @@ def test_the_stand_in_launcher_is_miles_serve_with_the_same_sglang_flags_and_the
     standin = sglang_engine_argv(
         _cfg(tmp_path, "rollout.sglang_args=--tp-size,2", "rollout.sglang_launcher=miles-serve"), 3, 30003, "/c.json"
     )
-    assert standin[:3] == [sys.executable, "-m", "miles.rollout.serve_cli"]
+    assert standin[:3] == [sys.executable, "-m", "miles.cli.serve"]
     assert standin[3 : len(real)] == real[3:]  # the SGLang flags, unchanged
     assert standin[len(real) :] == ["--config", "/c.json", "--owner", "engine/3", "--parent-pid", str(os.getpid())]
 
@@ -229,7 +229,7 @@ def test_the_readme_gb300_command_validates_plans_and_launches_sglang_with_a_hos
 
 
 def test_each_launched_engine_gets_its_own_node_gpus_from_its_parallel_sizes(tmp_path):
-    from miles.rollout.sglang_flags import engine_gpus
+    from miles.sglang_flags import engine_gpus
 
     one = _cfg(tmp_path, "rollout.num_engines=4").rollout
     assert [engine_gpus(one, i) for i in range(4)] == [[0], [1], [2], [3]]

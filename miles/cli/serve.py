@@ -1,6 +1,6 @@
 """The ``miles serve`` command: parse the arguments, bind the port (a taken one fails at once, with the
 address and the fix in one line), build the engine, guard the app (miles.http_guard) and run uvicorn.
-``python -m miles.rollout.serve_cli`` and ``miles serve`` both land in ``main``.
+``python -m miles.cli.serve`` and ``miles serve`` both land in ``main``.
 """
 
 from __future__ import annotations
@@ -75,11 +75,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _sglang_flags(p: argparse.ArgumentParser) -> None:
-    """SGLang's launch flags (miles.rollout.sglang_flags), so `miles serve` stands in for ``sglang.launch_server``
+    """SGLang's launch flags (miles.sglang_flags), so `miles serve` stands in for ``sglang.launch_server``
     (``rollout.sglang_launcher=miles-serve``): --host, --port, --api-key and --log-level act as above; the rest
     are accepted and ignored, the engine being built from --config (--enable-weights-cpu-backup is its
     handoff.engine_host_mirror, release/resume by tag needs no --enable-memory-saver here)."""
-    from miles.rollout.sglang_flags import KNOWN_FLAGS
+    from miles.sglang_flags import KNOWN_FLAGS
 
     g = p.add_argument_group("SGLang's flags (accepted for the stand-in launcher; ignored)")
     switches = {"--enable-memory-saver", "--skip-server-warmup", "--enable-weights-cpu-backup"}

@@ -5,7 +5,7 @@ The argv is a list with no shell, so none of these could inject; they would only
 import pytest
 
 from miles.rollout.launch import sglang_engine_argv
-from miles.rollout.sglang_flags import KNOWN_FLAGS, parse_flags
+from miles.sglang_flags import KNOWN_FLAGS, parse_flags
 from tests.conftest import tiny_run_cfg
 
 SG = ("rollout.engine=sglang", "model.checkpoint=/ckpt/qwen3-8b")
