@@ -15,6 +15,7 @@ from miles.data.dataset import check_data
 from miles.memory.ledger import pool_peaks
 from miles.planner import resolve_plan
 from miles.rollout.tasks import RewardError
+from miles.rollout_dump import RolloutDumpWriter
 from miles.run_dir import RunDir
 from miles.trackers import Trackers
 from miles.watchdog import StallError
@@ -162,10 +163,6 @@ class Bookkeeper:
         return out
 
     def dump(self, step: int, train_log_probs: dict) -> None:
-        try:
-            from miles.dashboard.store import RolloutDumpWriter
-        except ImportError:
-            return
         rows = self.c.get(self.c.rollout.sample_rows.remote(train_log_probs))
         try:
             RolloutDumpWriter(run_dir=self.run_dir.path).write_step(step, rows)

@@ -11,7 +11,7 @@ run_dir/
   ledger.jsonl           memory moves (LedgerEvent fields + step)
   processes.jsonl        RSS / allocator samples per actor
   agent_episodes.jsonl   per-episode rows of agentic rollouts
-  rollouts/              per-step sample dumps (miles.dashboard.store)
+  rollouts/step_000012/  one directory of per-token columns per RL step (miles.rollout_dump)
   checkpoints/step_000010/{model.safetensors, optimizer.pt, state.json}   (miles.checkpoints)
   wandb_run_id           the wandb run that log.trackers=wandb logs into (kept on a resume; miles.trackers)
   run.lock               flock'ed by the run that has the directory open; holds its pid

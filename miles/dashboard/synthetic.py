@@ -11,8 +11,9 @@ from pathlib import Path
 
 import numpy as np
 
-from miles.dashboard.store import RolloutDumpWriter, RunDirWriter
+from miles.dashboard.store import RunDirWriter
 from miles.memory.ledger import LedgerEvent, pool_peaks
+from miles.rollout_dump import RolloutDumpWriter
 
 WORDS = [
     "the",

@@ -11,7 +11,7 @@ from fastapi.testclient import TestClient
 from test_dashboard_store import parse_payload
 
 from miles.dashboard.server import DashboardServer, create_app, main, parse_args
-from miles.dashboard.store import RolloutDumpWriter
+from miles.rollout_dump import RolloutDumpWriter
 
 
 @pytest.fixture(scope="module")

@@ -12,8 +12,9 @@ import pytest
 
 from miles.dashboard.server import DashboardServer
 from miles.dashboard.snapshot import CHROMIUM, CHROMIUM_ARGS
-from miles.dashboard.store import RolloutDumpWriter, RunDirWriter
+from miles.dashboard.store import RunDirWriter
 from miles.dashboard.synthetic import LONG_PROMPT, synthetic_step
+from miles.rollout_dump import RolloutDumpWriter
 
 sync_api = pytest.importorskip("playwright.sync_api")
 if not Path(CHROMIUM).exists():

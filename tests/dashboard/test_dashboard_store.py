@@ -9,7 +9,8 @@ import os
 import numpy as np
 import pytest
 
-from miles.dashboard.store import COLUMNS, SAMPLE_MAGIC, NotInRunDir, RolloutDumpWriter, RunDirReader, RunDirWriter
+from miles.dashboard.store import SAMPLE_MAGIC, NotInRunDir, RunDirReader, RunDirWriter
+from miles.rollout_dump import COLUMNS, RolloutDumpWriter
 
 
 def sample(n=12, prompt_len=4, **kw):

@@ -8,12 +8,13 @@ import json
 import pytest
 
 from miles.config import apply_overrides
-from miles.dashboard.store import ROLLOUTS, RunDirReader, step_dir_name
+from miles.dashboard.store import RunDirReader
 from miles.data.dataset import PromptDataset, load_rows
 from miles.data.generate import generated_train, held_out_rows, split_path
 from miles.driver import train
 from miles.recipes import quickstart
 from miles.rollout.tasks import RewardError
+from miles.rollout_dump import ROLLOUTS, step_dir_name
 
 
 def _raise_after(n: int):
