@@ -1,14 +1,18 @@
-"""The modules of miles/ import each other without cycles (function-level imports included), so that every layer
-can be read, tested and replaced from the bottom up."""
+"""The modules of miles/ import each other without cycles (function-level imports included), and its rooms (top-level
+modules and folders) keep the floors declared in docs/architecture.py: a room imports only from rooms on its floor or
+below, never around a circle. So every layer can be read, tested and replaced from the bottom up."""
 
 import ast
+import importlib.util
 from pathlib import Path
 
-PKG = Path(__file__).resolve().parents[1] / "miles"
+REPO = Path(__file__).resolve().parents[1]
+PKG = REPO / "miles"
 
 
-def import_graph(root: Path) -> dict[str, set[str]]:
-    """module -> the package modules it imports anywhere in its file (``__init__`` re-exports not followed)."""
+def import_graph(root: Path, packages: bool = False) -> dict[str, set[str]]:
+    """module -> the package modules it imports anywhere in its file; an import that resolves to a package's
+    ``__init__`` counts only with ``packages`` (its re-exports make loops that are not cycles of modules)."""
     mods = {}
     for f in root.rglob("*.py"):
         rel = f.relative_to(root.parent).with_suffix("")
@@ -30,7 +34,7 @@ def import_graph(root: Path) -> dict[str, set[str]]:
             for t in targets:
                 while t and t not in mods:
                     t = t.rsplit(".", 1)[0] if "." in t else ""
-                if t and t != m and mods[t].name != "__init__.py":
+                if t and t != m and (packages or mods[t].name != "__init__.py"):
                     edges[m].add(t)
     return edges
 
@@ -79,3 +83,128 @@ def test_the_cycle_finder_sees_a_cycle_closed_by_a_function_level_import(tmp_pat
     (pkg / "b.py").write_text("def g():\n    from pkg import a\n")
     (pkg / "c.py").write_text("from . import a\n")
     assert cycles(import_graph(pkg)) == [["pkg.a", "pkg.b"]]
+
+
+# ---- the declared layers ------------------------------------------------------------------------------------------
+def declared_layers() -> list:
+    spec = importlib.util.spec_from_file_location("architecture", REPO / "docs" / "architecture.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.LAYERS
+
+
+def floors(layers: list) -> dict[str, int]:
+    """room -> its floor, 0 the top one."""
+    return {room: i for i, (_, rooms) in enumerate(layers) for room, _ in rooms}
+
+
+def module_path(root: Path, module: str) -> str:
+    rel = Path(*module.split("."))
+    return f"{rel}/__init__.py" if (root.parent / rel).is_dir() else f"{rel}.py"
+
+
+def room_of(path: str, rooms) -> str | None:
+    """The most specific declared room holding the file ``path`` (a folder room ends in '/')."""
+    holding = [r for r in rooms if path == r or (r.endswith("/") and path.startswith(r))]
+    return max(holding, key=len, default=None)
+
+
+def room_graph(root: Path, layers: list) -> dict[tuple[str, str], list[str]]:
+    """(room, room it imports) -> the module imports that make that arrow."""
+    rooms = floors(layers)
+    arrows: dict[tuple[str, str], list[str]] = {}
+    for a, targets in import_graph(root, packages=True).items():
+        ra = room_of(module_path(root, a), rooms)
+        for b in sorted(targets):
+            rb = room_of(module_path(root, b), rooms)
+            if ra and rb and ra != rb:
+                arrows.setdefault((ra, rb), []).append(f"{a} imports {b}")
+    return arrows
+
+
+def undeclared_rooms(root: Path, layers: list) -> list[str]:
+    """Top-level modules and folders of the package on no floor, and declared rooms that do not exist."""
+    rooms = floors(layers)
+    found = [f"{root.name}/{p.name}" + ("/" if p.is_dir() else "") for p in root.iterdir()]
+    found = [f for f in found if f.endswith((".py", "/")) and "__pycache__" not in f]
+    missing = [f for f in found if room_of(f, rooms) is None and not (f.endswith("/") and room_of(f + "x.py", rooms))]
+    gone = [r for r in rooms if not (root.parent / r).exists()]
+    return sorted(missing) + [f"{r} (declared, not found)" for r in gone]
+
+
+def upward_arrows(root: Path, layers: list) -> list[str]:
+    """Arrows from a room to a room on a floor above it, each with the imports that make it."""
+    floor = floors(layers)
+    return [
+        f"{a} (floor {floor[a]}) -> {b} (floor {floor[b]}): {'; '.join(why)}"
+        for (a, b), why in sorted(room_graph(root, layers).items())
+        if floor[b] < floor[a]
+    ]
+
+
+def room_cycles(root: Path, layers: list) -> list[list[str]]:
+    edges: dict[str, set[str]] = {r: set() for r in floors(layers)}
+    for a, b in room_graph(root, layers):
+        edges[a].add(b)
+    return cycles(edges)
+
+
+# Upward arrows that stand while the moves that remove them land one by one (tests/test_import_graph.py shrinks to
+# none): the manager still picks its sample source (agents, data); a measurement harness still inside quant/.
+KNOWN_UPWARD = {
+    ("miles/rollout/", "miles/agents/"),
+    ("miles/rollout/", "miles/data/"),
+    ("miles/quant/", "miles/model/"),
+}
+
+
+def test_every_room_of_miles_is_declared_on_one_floor_of_docs_architecture():
+    layers = declared_layers()
+    declared = [room for _, rooms in layers for room, _ in rooms]
+    assert len(declared) == len(set(declared)), "a room declared twice in docs/architecture.py"
+    assert undeclared_rooms(PKG, layers) == [], "add each to a floor of LAYERS in docs/architecture.py"
+
+
+def test_no_room_of_miles_imports_a_room_on_a_floor_above_it():
+    layers = declared_layers()
+    found = upward_arrows(PKG, layers)
+    unknown = [
+        a for a in found if tuple(a.split(" (floor")[0:1] + [a.split("-> ")[1].split(" (floor")[0]]) not in KNOWN_UPWARD
+    ]
+    assert unknown == [], (
+        "upward imports (import from a lower floor, or move the room; docs/architecture.py):\n" + "\n".join(unknown)
+    )
+    gone = {k for k in KNOWN_UPWARD if (k[0], k[1]) not in room_graph(PKG, layers)}
+    assert gone == set(), f"{gone} no longer import upward: take them out of KNOWN_UPWARD"
+
+
+def test_no_two_rooms_of_miles_import_each_other_around_a_circle():
+    found = [c for c in room_cycles(PKG, declared_layers()) if not _known(c)]
+    assert found == [], "rooms in a circle: " + "; ".join(" <-> ".join(c) for c in found)
+
+
+def _known(cycle: list[str]) -> bool:
+    return any(a in cycle and b in cycle for a, b in KNOWN_UPWARD)
+
+
+def test_the_picture_is_drawn_from_the_declared_layers():
+    spec = importlib.util.spec_from_file_location("architecture", REPO / "docs" / "architecture.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert (REPO / "docs" / "architecture.svg").read_text() == module.svg(), "run python docs/architecture.py"
+
+
+def test_the_layer_check_sees_an_import_from_a_floor_above_and_a_circle_of_rooms(tmp_path):
+    pkg = tmp_path / "pkg"
+    (pkg / "low").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "low" / "__init__.py").write_text("")
+    (pkg / "low" / "config.py").write_text("")
+    (pkg / "low" / "leaf.py").write_text("def f():\n    from pkg import top\n")
+    (pkg / "top.py").write_text("from pkg.low import config\n")
+    layers = [("up", [("pkg/top.py", "")]), ("down", [("pkg/low/", ""), ("pkg/__init__.py", "")])]
+    assert undeclared_rooms(pkg, layers) == []
+    assert upward_arrows(pkg, layers) == ["pkg/low/ (floor 1) -> pkg/top.py (floor 0): pkg.low.leaf imports pkg.top"]
+    assert room_cycles(pkg, layers) == [["pkg/low/", "pkg/top.py"]]
+    layers = [("up", [("pkg/top.py", "")]), ("down", [("pkg/low/config.py", ""), ("pkg/__init__.py", "")])]
+    assert undeclared_rooms(pkg, layers) == ["pkg/low/"]
