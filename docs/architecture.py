@@ -87,6 +87,8 @@ LAYERS = [
         [
             ("miles/protocols/", "the engine surface: request types, capabilities"),
             ("miles/quant/", "FP8 / MXFP8 / NVFP4, workspaces"),
+            ("miles/invariant/", "batch-invariant ops (true on-policy)"),
+            ("miles/model/rope.py", "rotary frequencies, one formula"),
             ("miles/memory/", "tagged pause / resume, MemoryLedger"),
             ("miles/samples.py", "Sample, TrainBatch"),
             ("miles/hardware.py", "HBM, host RAM, links per profile"),

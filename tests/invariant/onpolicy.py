@@ -6,7 +6,8 @@ import torch
 
 from miles.config import TrainerConfig
 from miles.model.config import ModelConfig
-from miles.rollout.engine import EmbeddedEngine, GenerateRequest, SamplingParams
+from miles.protocols.engine import GenerateRequest, SamplingParams
+from miles.rollout.engine import EmbeddedEngine
 from miles.samples import Sample, TrainBatch, collate
 from miles.train.torch_backend import TorchBackend
 
