@@ -120,7 +120,6 @@ FLOWS = [
     ("miles/train/", "miles/sync/", "named weights"),
     ("miles/sync/", "miles/rollout/", "update_weights(version)"),
     ("miles/planner.py", "miles/handoff.py", "the same steps"),
-    ("miles/driver.py", "miles/run_dir.py", "metrics, ledger, rollouts"),
 ]
 
 W, PER_ROW, BOX_H, GAP = 1180, 5, 46, 10
