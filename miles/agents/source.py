@@ -8,7 +8,7 @@ Sample: the session's exact tokens, the engine's log-probs, and the per-token ma
 
     source = AgentSource(cfg, engines, tokenizer)
     samples, metrics = source.samples(step)   # the first call starts the instances and the harness
-    source.score(samples)                     # the harness's rewards are already on the samples
+    source.score(samples, step)               # the harness's rewards are already on the samples
     source.close()
 
 Per-episode rows go to <run_dir>/agent_episodes.jsonl.
@@ -92,8 +92,9 @@ class AgentSource:
         _append_jsonl(Path(self.cfg.run_dir) / "agent_episodes.jsonl", [{"step": step, **e} for e in out.episodes])
         return samples, numeric | {"time/generate": numeric["time/agent_rollout"]}
 
-    def score(self, samples: list[Sample]) -> None:
+    def score(self, samples: list[Sample], step: int) -> dict[str, float]:
         """Nothing to do: the harness judged each episode, and its reward came with the sample."""
+        return {}
 
     def close(self) -> None:
         for s in self.servers:

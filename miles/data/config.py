@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +23,15 @@ class DataConfig:
     chat_template: bool = True  # render prompts with the tokenizer's chat template (False: raw text after BOS)
     system_prompt: str = ""  # a system message put before each prompt when the chat template is applied
     reward: str = "auto"  # auto (row metadata 'verifier', else math), math, math_format, countdown, or module:function
+    # every reward call (data.reward, task.reward, eval scoring) beyond the linear-time fast path runs in a reward
+    # worker process (miles.reward) under this wall-clock limit; a call past it is killed with its worker
+    reward_timeout_s: float = 5.0
+    # the reward of a call that raised, timed out or returned a non-finite number: counted per step in
+    # reward/errors and reward/timeouts, the first of each step written to run_dir/reward_errors/step_N.json.
+    # "raise" stops the run at the first one instead (after a checkpoint: fix the reward and rerun to resume)
+    reward_on_error: str = "0"
+    reward_workers: int = 0  # reward worker processes; 0 = min(4, CPU cores)
+    reward_memory_gb: float = 4.0  # data-segment cap of each reward worker (MemoryError past it); 0 = no cap
     skip_bad_rows: bool = False  # False: a bad row stops the run naming file/row/field; True: skipped and counted
     max_prompt_tokens: int = 0  # longer prompts are bad rows; 0 = engine max_seq_len - rollout.max_new_tokens
 
@@ -42,8 +52,29 @@ class DataConfig:
                 f"data.reward = {self.reward!r}; use auto, {', '.join(REWARDS)}, or 'module:function' "
                 "(fn(prompt, response, target) -> float)"
             )
+        if not self.reward_timeout_s > 0 or self.reward_workers < 0 or self.reward_memory_gb < 0:
+            raise ValueError(
+                f"data.reward_timeout_s = {self.reward_timeout_s}, data.reward_workers = {self.reward_workers}, "
+                f"data.reward_memory_gb = {self.reward_memory_gb}: need a timeout > 0 and the others >= 0"
+            )
+        self.error_reward  # noqa: B018 (raises for a bad reward_on_error)
         if self.max_prompt_tokens < 0:
             raise ValueError(f"data.max_prompt_tokens = {self.max_prompt_tokens} must be >= 0 (0: from the engine)")
+
+    @property
+    def error_reward(self) -> float | None:
+        """reward_on_error as a number; None for "raise"."""
+        if self.reward_on_error.strip().lower() == "raise":
+            return None
+        try:
+            value = float(self.reward_on_error)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value):
+            raise ValueError(
+                f"data.reward_on_error = {self.reward_on_error!r}; use a finite number (e.g. 0) or 'raise'"
+            )
+        return value
 
 
 # eval.k's ceiling: 4x the largest k of published pass@k curves (1024, RL-vs-base studies of reasoning models); an

@@ -19,6 +19,7 @@ from decimal import Decimal
 
 from miles.data.config import DataConfig, parse_specs
 from miles.data.records import BadRowError, read_records
+from miles.reward.catalog import check_rewards
 
 log = logging.getLogger("miles")
 __all__ = ["BadRowError", "read_records"]  # re-exported: the row errors and reader of miles.data.records
@@ -187,11 +188,13 @@ class PromptDataset:
 
 
 def check_data(cfg) -> None:
-    """Before a run starts: every dataset of data.train and data.eval reads and maps row by row, and no eval row is
-    a train row. (Prompt lengths need the tokenizer: the sample source checks them when it renders a row.)"""
+    """Before a run starts: every dataset of data.train and data.eval reads and maps row by row, no eval row is
+    a train row, and every reward the run or a row names exists (miles.reward.catalog). (Prompt lengths need the
+    tokenizer: the sample source checks them when it renders a row.)"""
     train = [r for rows, _ in load_split(cfg.data.train, cfg.data, "train").values() for r in rows]
     evals = {name: rows for name, (rows, _) in load_split(cfg.data.eval, cfg.data, "eval").items()}
     check_no_overlap(train, evals)
+    check_rewards(cfg, train + [r for rows in evals.values() for r in rows])
     if cfg.eval.max_problems:
         evals = {name: rows[: cfg.eval.max_problems] for name, rows in evals.items()}
     warn_repeated_eval_rows(evals)

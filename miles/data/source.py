@@ -1,25 +1,26 @@
 """DatasetSource: a sample source (beside tasks and agents) that draws prompts from ``data.train`` in a seeded
 shuffled order, completes them with the engines and scores them with the row's verifier.
 
-    source = DatasetSource(cfg, tokenizer, engines)
+    source = DatasetSource(cfg, tokenizer, engines, pool)   # pool: the run's RewardPool (miles.reward)
     samples, metrics = source.samples(step)       # the next num_prompts_per_step rows, n_samples_per_prompt each
-    source.score(samples)                         # rewards through the reward contract (RewardError if one raises)
+    metrics = source.score(samples, step)         # rewards through the reward contract, under the time limit
     state = source.state_dict(next_step)          # the epoch position for a checkpoint; load_state_dict on resume
 """
 
 from __future__ import annotations
 
-import importlib
 import logging
-import math
 import random
 import time
 
 from miles.data.config import DataConfig
 from miles.data.dataset import BadRowError, PromptDataset, PromptRow, load_split
-from miles.data.verify import REWARDS
 from miles.protocols.engine import GenerateRequest, SamplingParams
-from miles.rollout.tasks import RewardError
+from miles.reward.api import Reward, RewardError
+from miles.reward.catalog import BUILTIN, reward_for
+from miles.reward.pool import RewardPool
+from miles.reward.scorer import Job, scorer_for
+from miles.rollout.sources import set_rewards
 from miles.samples import Sample
 
 log = logging.getLogger("miles")
@@ -52,35 +53,21 @@ def max_prompt_tokens(cfg, max_new_tokens: int) -> int:
 
 
 class Verifiers:
-    """The reward function of each row: ``data.reward``, or with 'auto' the row's metadata 'verifier'."""
+    """The reward of each row: ``data.reward``, or with 'auto' the row's metadata 'verifier' (a built-in one)."""
 
     def __init__(self, spec: str):
-        self.spec = spec
-        self.fixed = None if spec == "auto" else REWARDS.get(spec) or _load(spec)
+        self.fixed = None if spec == "auto" else reward_for(spec)
 
-    def score(self, row_meta: dict, prompt: str, response: str, target: str) -> float:
-        name = self.spec if self.fixed else row_meta.get("verifier", "math")
-        fn = self.fixed or REWARDS.get(name)
-        if fn is None:
-            raise RewardError(f"row metadata names verifier {name!r}; known: {sorted(REWARDS)}")
-        try:
-            r = float(fn(prompt, response, target))
-        except Exception as e:
-            raise RewardError(
-                f"verifier {name} raised {type(e).__name__}: {e} (prompt={prompt[:80]!r}, response={response[:80]!r}, "
-                f"target={target!r}); fix the function or the row, or set data.reward to another"
-            ) from e
-        if not math.isfinite(r):
-            raise RewardError(f"verifier {name} returned {r} for prompt={prompt[:80]!r}; rewards must be finite")
-        return r
+    def reward_of(self, row_meta: dict) -> Reward:
+        if self.fixed is not None:
+            return self.fixed
+        name = row_meta.get("verifier", "math")
+        if name not in BUILTIN:  # the pre-Ray check refuses such rows (miles.reward.catalog.check_rewards)
+            raise RewardError(f"row metadata names verifier {name!r}; known: {sorted(BUILTIN)}")
+        return BUILTIN[name]
 
-
-def _load(spec: str):
-    module, _, name = spec.partition(":")
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"data.reward = {spec!r}: cannot load {name!r} from {module!r} ({e})") from None
+    def jobs(self, samples: list[Sample]) -> list[Job]:
+        return [Job(self.reward_of(s.metadata), s.prompt, s.response_text, s.target) for s in samples]
 
 
 def complete(engines, samples: list[Sample], sampling: SamplingParams, seed: int, tokenizer, tag: str) -> None:
@@ -97,7 +84,7 @@ def complete(engines, samples: list[Sample], sampling: SamplingParams, seed: int
 
 
 class DatasetSource:
-    def __init__(self, cfg, tokenizer, engines: list):
+    def __init__(self, cfg, tokenizer, engines: list, pool: RewardPool):
         self.cfg, self.tokenizer, self.engines = cfg, tokenizer, engines
         loaded = load_split(cfg.data.train, cfg.data, "train")
         rows = [r for rows, _ in loaded.values() for r in rows]
@@ -105,6 +92,7 @@ class DatasetSource:
         self.dataset = PromptDataset(rows, seed=cfg.seed)
         self.render = PromptRenderer(cfg.data, tokenizer, max_prompt_tokens(cfg, cfg.rollout.max_new_tokens))
         self.verifiers = Verifiers(cfg.data.reward)
+        self.scorer = scorer_for(cfg, pool)
         self._step, self._state_before = None, self.dataset.state_dict()
 
     def prompts(self, step: int, *, with_targets: bool = False) -> list[Sample]:
@@ -160,9 +148,8 @@ class DatasetSource:
             "data/skipped_rows": self.skipped,
         }
 
-    def score(self, samples: list[Sample]) -> None:
-        for s in samples:
-            s.reward = self.verifiers.score(s.metadata, s.prompt, s.response_text, s.target)
+    def score(self, samples: list[Sample], step: int) -> dict[str, float]:
+        return set_rewards(samples, self.scorer.score(self.verifiers.jobs(samples), label=f"step_{step:06d}"))
 
     def state_dict(self, next_step: int) -> dict:
         """The position at the start of RL step ``next_step``: a step drawn but not finished is drawn again."""

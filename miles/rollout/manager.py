@@ -20,6 +20,7 @@ from miles.memory import MemoryLedger
 from miles.model.tokenizer import load_tokenizer
 from miles.policy.dapo import fill_groups, round_key
 from miles.protocols.engine import ReceivesInProcess, UpdateCalls, supports
+from miles.reward.scorer import pool_for
 from miles.rollout.engine import EmbeddedEngine
 from miles.rollout.launch import spawn_miles_servers, spawn_sglang_servers
 from miles.rollout.router import Router
@@ -68,7 +69,8 @@ class RolloutManager(UpdateCalls):
                 )
                 for i in range(r.num_engines)
             ]
-        self.tasks = TaskSource(cfg, self.tokenizer, self.engines)  # also the reference answers for SFT warm-up
+        self.rewards = pool_for(cfg.data)  # reward worker processes, started by the first call that needs one
+        self.tasks = TaskSource(cfg, self.tokenizer, self.engines, self.rewards)  # also the SFT warm-up's answers
         self.source: SampleSource = (
             AgentSource(cfg, self.engines, self.tokenizer) if cfg.task.name == "swe" else self.tasks
         )
@@ -76,7 +78,7 @@ class RolloutManager(UpdateCalls):
         if cfg.data.train:
             from miles.data.source import DatasetSource
 
-            self.data = self.source = DatasetSource(cfg, self.tokenizer, self.engines)
+            self.data = self.source = DatasetSource(cfg, self.tokenizer, self.engines, self.rewards)
         self.evaluator = None  # built on the first eval (miles.data.eval)
         self.last_samples: list[Sample] = []
 
@@ -105,8 +107,8 @@ class RolloutManager(UpdateCalls):
         heartbeat.phase("generate")
         samples, source_metrics = self.source.samples(key)
         heartbeat.phase("reward")  # a stall from here on is the reward's (miles.watchdog)
-        self.source.score(samples)
-        rounds.add(source_metrics, shape_overlong_of(samples, self.cfg.rollout))
+        scoring = self.source.score(samples, key)
+        rounds.add(source_metrics, shape_overlong_of(samples, self.cfg.rollout), scoring)
         return samples
 
     @on_compute_thread
@@ -115,9 +117,8 @@ class RolloutManager(UpdateCalls):
         if self.evaluator is None:
             from miles.data.eval import Evaluator
 
-            self.evaluator = Evaluator(
-                self.cfg, self.tokenizer, self.engines, self.data.dataset.rows if self.data else []
-            )
+            rows = self.data.dataset.rows if self.data else []
+            self.evaluator = Evaluator(self.cfg, self.tokenizer, self.engines, rows, pool=self.rewards)
         return self.evaluator.evaluate(step)
 
     def data_state(self, next_step: int) -> dict | None:
@@ -247,6 +248,7 @@ class RolloutManager(UpdateCalls):
         try:
             self.source.close()
         finally:
+            self.rewards.close()
             for e in self.engines:
                 if hasattr(e, "url") or hasattr(e, "clients"):  # HTTP engines: a client or a Router
                     e.close()

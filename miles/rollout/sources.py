@@ -4,9 +4,9 @@ and runs the same tail on all of them (miles.rollout.tail); a source only produc
 - ``TaskSource``: a synthetic task's prompts, completed by the engines, scored by the task's reward function.
 - ``miles.agents.source.AgentSource``: agent episodes served by the same engines through session servers.
 
-    source = TaskSource(cfg, tokenizer, engines)
+    source = TaskSource(cfg, tokenizer, engines, pool)   # pool: the run's RewardPool (miles.reward)
     samples, metrics = source.samples(step)   # completed samples; metrics has at least "time/generate"
-    source.score(samples)                     # sets every sample's reward
+    metrics = source.score(samples, step)     # sets every sample's reward; {"reward/timeouts": 0, ...}
     source.close()
 """
 
@@ -17,6 +17,8 @@ from typing import Protocol
 
 from miles.config import RunConfig
 from miles.protocols.engine import GenerateRequest, SamplingParams
+from miles.reward.pool import RewardPool
+from miles.reward.scorer import Job, ScoreReport, scorer_for
 from miles.rollout.tasks import Task
 from miles.samples import Sample
 
@@ -26,8 +28,8 @@ class SampleSource(Protocol):
         """The step's completed samples (tokens, engine log-probs, weight version) and the source's own metrics."""
         ...
 
-    def score(self, samples: list[Sample]) -> None:
-        """Set each sample's reward."""
+    def score(self, samples: list[Sample], step: int) -> dict[str, float]:
+        """Set each sample's reward; the scoring's metrics (reward/timeouts, reward/errors, time/reward)."""
         ...
 
     def close(self) -> None:
@@ -38,9 +40,10 @@ class SampleSource(Protocol):
 class TaskSource:
     """A task's prompts, each repeated ``n_samples_per_prompt`` times, completed by the engines in equal slices."""
 
-    def __init__(self, cfg: RunConfig, tokenizer, engines: list):
+    def __init__(self, cfg: RunConfig, tokenizer, engines: list, pool: RewardPool):
         self.cfg, self.tokenizer, self.engines = cfg, tokenizer, engines
         self.task = Task(cfg.task, cfg.seed)
+        self.scorer = scorer_for(cfg, pool)
 
     def prompts(self, step: int, *, with_targets: bool = False) -> list[Sample]:
         """The step's prompts as Samples; with targets, all distinct and answered by the reference (for SFT)."""
@@ -85,9 +88,18 @@ class TaskSource:
             s.response_text = self.tokenizer.decode([t for t in o.output_ids if t not in stop])
         return samples, {"time/generate": t_gen}
 
-    def score(self, samples: list[Sample]) -> None:
-        for s in samples:
-            s.reward = self.task.score(s.prompt, s.response_text, s.target)
+    def score(self, samples: list[Sample], step: int) -> dict[str, float]:
+        jobs = [Job(self.task.reward, s.prompt, s.response_text, s.target) for s in samples]
+        return set_rewards(samples, self.scorer.score(jobs, label=f"step_{step:06d}"))
 
     def close(self) -> None:
         pass
+
+
+def set_rewards(samples: list[Sample], report: ScoreReport) -> dict[str, float]:
+    """The report's rewards on the samples (a failed one marked in its metadata), and its step metrics."""
+    for s, value, failed in zip(samples, report.values, report.failed):
+        s.reward = value
+        if failed:
+            s.metadata["reward_failed"] = failed
+    return report.metrics() | {"time/reward": report.seconds}

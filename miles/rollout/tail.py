@@ -1,7 +1,7 @@
 """The rollout tail: what happens to a step's samples after a source produced them, written once for every source.
 
     samples, source_metrics = source.samples(step)      # miles.rollout.sources.SampleSource
-    source.score(samples)                               # rewards
+    scoring = source.score(samples, step)               # rewards; reward/timeouts, reward/errors, time/reward
     cut = shape_overlong_of(samples, cfg.rollout)       # DAPO's overlong shaping (off by default)
     assign_advantages(samples, "grpo")                  # rollout.advantage_estimator
     metrics = rollout_metrics(samples) | source_metrics | {"overlong_frac": cut}
@@ -38,20 +38,28 @@ def shape_overlong_of(samples: list[Sample], r: RolloutConfig) -> float:
 
 
 class RoundLog:
-    """The metrics the sampling rounds of one step add: generation time summed over rounds, the source's other
-    metrics from the last round, and the fraction of responses cut at the budget (``overlong_frac``)."""
+    """The metrics the sampling rounds of one step add: generation time and the scoring's counts summed over rounds,
+    the source's other metrics from the last round, and the fraction of responses cut at the budget
+    (``overlong_frac``)."""
 
     def __init__(self):
         self.source_metrics: dict[str, float] = {}
+        self.scoring: dict[str, float] = {}
         self.seconds, self.cut = 0.0, []
 
-    def add(self, source_metrics: dict[str, float], cut: float) -> None:
+    def add(self, source_metrics: dict[str, float], cut: float, scoring: dict[str, float] | None = None) -> None:
         self.source_metrics = source_metrics
         self.seconds += source_metrics["time/generate"]
         self.cut.append(cut)
+        for k, v in (scoring or {}).items():
+            self.scoring[k] = self.scoring.get(k, 0) + v
 
     def metrics(self) -> dict[str, float]:
-        return self.source_metrics | {"time/generate": self.seconds, "overlong_frac": sum(self.cut) / len(self.cut)}
+        return (
+            self.source_metrics
+            | self.scoring
+            | {"time/generate": self.seconds, "overlong_frac": sum(self.cut) / len(self.cut)}
+        )
 
 
 def rollout_metrics(samples: list[Sample]) -> dict[str, float]:

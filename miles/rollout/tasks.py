@@ -2,25 +2,18 @@
 
 A task makes prompts with reference answers from a seeded RNG; a reward function scores a completion
 (partial credit where it helps learning). Users plug their own reward in with ``task.reward = "module:fn"``
-where ``fn(prompt: str, response: str, target: str) -> float`` (the ``RewardFn`` protocol).
+where ``fn(prompt: str, response: str, target: str) -> float`` (the ``RewardFn`` protocol); it runs in a reward
+worker under ``data.reward_timeout_s`` (miles.reward), the built-in ones here in the scoring process (linear-time).
 """
 
 from __future__ import annotations
 
-import importlib
 import random
 from dataclasses import dataclass
-from typing import Protocol
 
 from miles.config import TaskConfig
-
-
-class RewardFn(Protocol):
-    def __call__(self, prompt: str, response: str, target: str) -> float: ...
-
-
-class RewardError(RuntimeError):
-    """A reward function raised or returned something that is not a finite number."""
+from miles.reward.api import Reward, RewardError, RewardFn  # noqa: F401 (RewardError, RewardFn: re-exported)
+from miles.reward.catalog import reward_for
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,8 +54,8 @@ class Task:
 
     def __init__(self, cfg: TaskConfig, seed: int):
         self.cfg, self.seed = cfg, seed
-        self.reward_fn: RewardFn = load_reward(cfg.reward) if cfg.reward else DEFAULT_REWARDS[cfg.name]
-        self.reward_name = cfg.reward or DEFAULT_REWARDS[cfg.name].__name__
+        own = DEFAULT_REWARDS[cfg.name]
+        self.reward: Reward = reward_for(cfg.reward, "task.reward") if cfg.reward else Reward(own.__name__, quick=own)
 
     def problems(self, step: int, n: int) -> list[Problem]:
         rng = random.Random(self.seed * 1_000_003 + step)
@@ -86,20 +79,6 @@ class Task:
             )
         raise ValueError(f"task.name = {c.name!r} has no generator here (agent tasks run in miles.agents)")
 
-    def score(self, prompt: str, response: str, target: str) -> float:
-        try:
-            r = float(self.reward_fn(prompt, response, target))
-        except Exception as e:
-            raise RewardError(
-                f"reward function {self.reward_name} raised {type(e).__name__}: {e} "
-                f"(prompt={prompt!r}, response={response[:80]!r}); fix the function or set task.reward to another"
-            ) from e
-        if r != r or r in (float("inf"), float("-inf")):
-            raise RewardError(
-                f"reward function {self.reward_name} returned {r} for prompt={prompt!r}; rewards must be finite"
-            )
-        return r
-
 
 DEFAULT_REWARDS: dict[str, RewardFn] = {
     "reverse": positional_credit,
@@ -109,16 +88,3 @@ DEFAULT_REWARDS: dict[str, RewardFn] = {
     "add": numeric_credit,
     "swe": exact_match,
 }
-
-
-def load_reward(spec: str) -> RewardFn:
-    module, _, name = spec.partition(":")
-    if not name:
-        raise ValueError(f"task.reward = {spec!r} should be 'module:function', e.g. 'my_rewards:exact'")
-    try:
-        fn = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"task.reward = {spec!r} cannot be loaded ({e}); check the module is importable") from e
-    if not callable(fn):
-        raise ValueError(f"task.reward = {spec!r} is not callable")
-    return fn

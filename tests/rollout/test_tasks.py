@@ -4,6 +4,7 @@ import pytest
 
 from miles.config import TaskConfig
 from miles.policy.advantages import group_advantages
+from miles.reward.scorer import Job, RewardScorer
 from miles.rollout.tasks import RewardError, Task, numeric_credit, positional_credit
 
 
@@ -32,10 +33,18 @@ def _boom(prompt, response, target):
 
 def test_a_reward_function_that_raises_names_itself_and_the_sample():
     t = Task(TaskConfig(name="reverse", reward=f"{__name__}:_boom"), seed=0)
+    job = Job(t.reward, "rev ab=", "ba", "ba")
     with pytest.raises(
         RewardError, match=re.escape(f"reward function {__name__}:_boom raised ZeroDivisionError: bad reward")
     ):
-        t.score("rev ab=", "ba", "ba")
+        RewardScorer(None, on_error=None).score([job])
+    report = RewardScorer(None, on_error=0.25).score([job])  # the default policy: scored and counted
+    assert report.values == [0.25] and report.errors == 1 and report.first.prompt == "rev ab="
+
+
+def test_a_tasks_own_reward_runs_in_the_scoring_process():
+    t = Task(TaskConfig(name="reverse"), seed=0)
+    assert t.reward.quick is positional_credit and not t.reward.call
 
 
 def test_custom_reward_spec_must_be_importable():

@@ -1,0 +1,67 @@
+"""Rewards by name: the built-in verifiers (math, math_format, countdown: miles.data.verify) and a user's
+'module:function', and the check, before Ray starts, that every reward a run names can be found.
+
+    reward_for("math")                    # Reward(name='math', quick=math_quick, ...)
+    reward_for("my_rewards:exact")        # imported here to check it, run in a reward worker
+    check_rewards(cfg, rows)              # ValueError naming the field (or the row) and the fix
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from miles.data import verify
+from miles.reward.api import Reward
+
+BUILTIN: dict[str, Reward] = {
+    "math": Reward("math", quick=verify.math_quick),
+    "math_format": Reward("math_format", quick=verify.math_format_quick, pass_at=verify.FORMAT_PASS),
+    "countdown": Reward("countdown", quick=verify.countdown_reward),
+}
+
+
+def load_function(spec: str, field: str):
+    """The callable named by 'module:function', imported in this process; ValueError naming ``field`` if it is not."""
+    module, _, name = spec.partition(":")
+    if not (module and name):
+        raise ValueError(
+            f"{field} = {spec!r} should be 'module:function', e.g. 'my_rewards:exact' (or a built-in verifier: "
+            f"{', '.join(BUILTIN)})"
+        )
+    try:
+        fn = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(
+            f"{field} = {spec!r} cannot be loaded ({type(e).__name__}: {e}); check the module is importable "
+            "(the run's working directory and PYTHONPATH are on the path)"
+        ) from e
+    if not callable(fn):
+        raise ValueError(f"{field} = {spec!r} is not callable")
+    return fn
+
+
+def reward_for(spec: str, field: str = "data.reward") -> Reward:
+    """A built-in verifier by name, or a user's 'module:function' (checked by importing it here)."""
+    if spec in BUILTIN:
+        return BUILTIN[spec]
+    load_function(spec, field)
+    return Reward(spec, call=spec)
+
+
+def check_rewards(cfg, rows=()) -> None:
+    """Every reward the run names exists: task.reward and data.reward are importable, and with data.reward = auto
+    each dataset row's verifier is a built-in one (``rows``: the PromptRows of data.train and data.eval)."""
+    if cfg.task.reward:
+        reward_for(cfg.task.reward, "task.reward")
+    d = cfg.data
+    if d.reward != "auto":
+        reward_for(d.reward)
+        return
+    for row in rows:
+        name = row.metadata.get("verifier", "math")
+        if name not in BUILTIN:
+            raise ValueError(
+                f"{row.source} row {row.row} field '{d.metadata_key}.verifier': {name!r} is not a verifier "
+                f"(known: {sorted(BUILTIN)}); with data.reward = auto a row picks a built-in one: fix the row, or set "
+                "data.reward to one reward for every row (a built-in name or 'module:function')"
+            )
