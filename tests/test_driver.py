@@ -1,11 +1,14 @@
 """The RL loop end to end on real Ray actors (tiny model, a few seconds per step)."""
 
 import errno
+import hashlib
 import json
 import os
 import re
 import shutil
 import signal
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -50,29 +53,36 @@ def test_resume_continues_from_the_last_complete_checkpoint_and_skips_a_half_wri
     assert [r["step"] for r in _metrics(more) if "step" in r] == [0, 1, 2, 3]
 
 
-def _raise_on_second_call():
-    state = {"n": 0}
-
-    def reward(prompt, response, target):
-        state["n"] += 1
-        if state["n"] > 16:  # the first step's 16 samples score fine; the next step fails
-            raise KeyError("broken reward")
-        return 0.5
-
-    return reward
+BROKEN = Path(tempfile.gettempdir()) / f"miles-broken-reward-{hashlib.sha1(__file__.encode()).hexdigest()[:12]}"
 
 
-flaky_reward = _raise_on_second_call()
+def flaky_reward(prompt, response, target):
+    """Breaks once the flag file exists (rewards run in worker processes: the flag is what they share)."""
+    if BROKEN.exists():
+        raise KeyError("broken reward")
+    return 0.5
 
 
 def test_a_reward_function_that_raises_stops_with_a_clear_error_and_keeps_completed_steps(tmp_path, ray_session):
-    cfg = tiny_run_cfg(tmp_path, "num_steps=3", "checkpoint_every=0", f"task.reward={__name__}:flaky_reward")
-    with pytest.raises(
-        RewardError, match=r"RL step 1: reward function .*flaky_reward raised KeyError: 'broken reward'"
-    ):
-        train(cfg, progress=False)
+    cfg = tiny_run_cfg(
+        tmp_path,
+        "num_steps=3",
+        "checkpoint_every=0",
+        f"task.reward={__name__}:flaky_reward",
+        "data.reward_on_error=raise",
+    )
+    BROKEN.unlink(missing_ok=True)
+    try:
+        with pytest.raises(
+            RewardError, match=r"RL step 1: reward function .*flaky_reward raised KeyError: 'broken reward'"
+        ):
+            train(cfg, progress=False, on_step=lambda row: BROKEN.touch())  # step 0 scores, step 1 breaks
+    finally:
+        BROKEN.unlink(missing_ok=True)
     assert (tmp_path / "run" / "checkpoints" / "step_000001" / "model.safetensors").exists()
     assert [r["step"] for r in _metrics(cfg) if "step" in r] == [0]
+    failure = json.loads((tmp_path / "run" / "reward_errors" / "step_000001.json").read_text())
+    assert failure["kind"] == "error" and failure["error"] == "KeyError: 'broken reward'"
 
 
 EXTRA = {

@@ -49,11 +49,14 @@ def reward_for(spec: str, field: str = "data.reward") -> Reward:
 
 
 def check_rewards(cfg, rows=()) -> None:
-    """Every reward the run names exists: task.reward and data.reward are importable, and with data.reward = auto
-    each dataset row's verifier is a built-in one (``rows``: the PromptRows of data.train and data.eval)."""
+    """Every reward the run names exists: task.reward and (with datasets) data.reward are importable, and with
+    data.reward = auto each dataset row's verifier is a built-in one (``rows``: the PromptRows of data.train and
+    data.eval)."""
     if cfg.task.reward:
         reward_for(cfg.task.reward, "task.reward")
     d = cfg.data
+    if not (d.train or d.eval):
+        return
     if d.reward != "auto":
         reward_for(d.reward)
         return

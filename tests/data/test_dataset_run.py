@@ -1,9 +1,12 @@
 """A run on a prompt dataset, end to end on Ray with a tiny model: held-out eval rows in metrics.jsonl at the start,
 every eval.every steps and at the end; eval prompts never trained on; a verifier that raises stops the run with
-its steps kept, and the resumed run continues the same prompt order; eval rows that are also train rows are
+its steps kept (data.reward_on_error=raise), and the resumed run continues the same prompt order; eval rows that are also train rows are
 refused before anything starts; trackers get the same rows."""
 
+import hashlib
 import json
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -16,20 +19,14 @@ from miles.recipes import quickstart
 from miles.rollout.tasks import RewardError
 from miles.rollout_dump import ROLLOUTS, step_dir_name
 
-
-def _raise_after(n: int):
-    state = {"n": 0}
-
-    def verifier(prompt, response, target):
-        state["n"] += 1
-        if state["n"] > n:
-            raise ZeroDivisionError("verifier broke")
-        return float(response.strip() == target)
-
-    return verifier
+BROKEN = Path(tempfile.gettempdir()) / f"miles-broken-verifier-{hashlib.sha1(__file__.encode()).hexdigest()[:12]}"
 
 
-breaks_at_step_2 = _raise_after(2 * 16)  # 4 prompts x 4 samples per step
+def breaks_at_step_2(prompt, response, target):
+    """Breaks once the flag file exists (set after step 1: rewards run in worker processes, the flag is shared)."""
+    if BROKEN.exists():
+        raise ZeroDivisionError("verifier broke")
+    return float(response.strip() == target)
 
 
 def exact(prompt, response, target):
@@ -95,9 +92,19 @@ def test_eval_rows_land_in_metrics_at_start_every_and_end_and_eval_prompts_are_n
 
 
 def test_a_verifier_that_raises_keeps_the_steps_and_the_resumed_run_continues_the_same_order(tmp_path, ray_session):
-    cfg = run_cfg(tmp_path, "num_steps=4", "checkpoint_every=0", f"data.reward={__name__}:breaks_at_step_2")
-    with pytest.raises(RewardError, match=r"RL step 2: verifier .*breaks_at_step_2 raised ZeroDivisionError"):
-        train(cfg, progress=False)
+    cfg = run_cfg(
+        tmp_path,
+        "num_steps=4",
+        "checkpoint_every=0",
+        f"data.reward={__name__}:breaks_at_step_2",
+        "data.reward_on_error=raise",
+    )
+    BROKEN.unlink(missing_ok=True)
+    try:
+        with pytest.raises(RewardError, match=r"RL step 2: reward function .*breaks_at_step_2 raised ZeroDivisionErr"):
+            train(cfg, progress=False, on_step=lambda row: row["step"] == 1 and BROKEN.touch())
+    finally:
+        BROKEN.unlink(missing_ok=True)
     assert [r["step"] for r in _metrics(cfg)] == [0, 1]
     state = json.loads(open(f"{cfg.run_dir}/checkpoints/step_000002/data_state.json").read())
     assert state == {"epoch": 0, "index": 8, "num_rows": 200, "seed": 0, "next_step": 2}
