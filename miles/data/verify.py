@@ -144,6 +144,8 @@ def equivalent(answer: str, gold: str, *, fast: bool = True) -> bool:
         a, g = _plain_number(answer), _plain_number(gold)
         if a is not None and g is not None:
             return a == g
+        if _same_fraction(answer, gold, a, g):
+            return True
     return symbolic_equal(answer, gold)
 
 
@@ -155,7 +157,29 @@ def _check(answer: str | None, gold: str, if_true: float, if_false: float) -> fl
     a, g = _plain_number(answer), _plain_number(gold)
     if a is not None and g is not None:
         return if_true if a == g else if_false
+    if _same_fraction(answer, gold, a, g):
+        return if_true
     return Deferred(SYMBOLIC, (answer, gold), if_true, if_false)
+
+
+_LATEX_FRACTION_RE = re.compile(r"^(-?)\\frac\{(-?\d{1,30})\}\{(-?\d{1,30})\}$")
+
+
+def _same_fraction(answer: str, gold: str, a: Fraction | None, g: Fraction | None) -> bool:
+    """Whether a ``\\frac{p}{q}`` of integers (either side; the other a plain number or one too) is exactly the
+    other: no sympy needed. Only a match is decided here: math-verify calls close decimals equal (1/3 and
+    0.3333333), so a miss still goes to sympy."""
+    a = a if a is not None else _latex_fraction(answer)
+    g = g if g is not None else _latex_fraction(gold)
+    return a is not None and g is not None and a == g
+
+
+def _latex_fraction(text: str) -> Fraction | None:
+    m = _LATEX_FRACTION_RE.match(normalize(text))
+    if not m or int(m.group(3)) == 0:
+        return None
+    value = Fraction(int(m.group(2)), int(m.group(3)))
+    return -value if m.group(1) else value
 
 
 def math_quick(prompt: str, response: str, target: str) -> float | Deferred:

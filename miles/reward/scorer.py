@@ -22,6 +22,7 @@ import math
 import os
 import time
 import traceback
+from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -79,10 +80,16 @@ class ScoreReport:
 
 
 class RewardScorer:
-    def __init__(self, pool: RewardPool | None, *, on_error: float | None = 0.0, failures_dir=None):
+    def __init__(
+        self, pool: RewardPool | None, *, on_error: float | None = 0.0, failures_dir=None, memo_size: int = 65536
+    ):
         self.pool, self.on_error = pool, on_error
         self.failures_dir = Path(failures_dir) if failures_dir else None
         self._here: dict[str, object] = {}  # the reference path's loaded functions
+        # answers of the built-in sympy checks (pure functions) across calls: eval re-scores the same problems,
+        # and a policy repeats its answers; failures are never kept (a timeout may be the machine's load)
+        self._memo: OrderedDict[Call, float] = OrderedDict()
+        self.memo_size = memo_size
 
     def score(self, jobs: list[Job], label: str = "") -> ScoreReport:
         t0 = time.perf_counter()
@@ -105,6 +112,10 @@ class RewardScorer:
                 results[i] = _checked(out)
                 continue
             deferred[i], call = out, Call(out.call, out.args)
+            if call in self._memo:
+                self._memo.move_to_end(call)
+                results[i] = CallResult(value=out.if_true if self._memo[call] else out.if_false)
+                continue
             if call not in folded:
                 folded[call] = len(batch)
                 batch.append(call)
@@ -112,6 +123,8 @@ class RewardScorer:
             owners[folded[call]].append(i)
         t_pool = time.perf_counter()
         for k, res in enumerate(self._run(batch)):
+            if res.ok and deferred[owners[k][0]] is not None:
+                self._remember(batch[k], res.value)
             for i in owners[k]:
                 d = deferred[i]
                 if not res.ok:
@@ -126,6 +139,11 @@ class RewardScorer:
         if report.first is not None:
             self._record(report, label)
         return report
+
+    def _remember(self, call: Call, value: float) -> None:
+        self._memo[call] = value
+        if len(self._memo) > self.memo_size:
+            self._memo.popitem(last=False)
 
     def _run(self, calls: list[Call]) -> list[CallResult]:
         if not calls:

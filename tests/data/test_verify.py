@@ -249,3 +249,17 @@ def test_quick_rewards_match_reference(quick, reference):
                            ("3 + 4 = 7", "7"), ("nothing", "3"), ("\\boxed{6}", "5"), ("so 42", "42")]:  # fmt: skip
         out = getattr(verify, quick)("p", response, gold)
         assert resolve_here(out) == getattr(verify, reference)("p", response, gold)
+
+
+def test_the_fraction_fast_path_matches_reference():
+    rng = random.Random(0)
+    pairs = [("\\frac{3}{4}", "0.75"), ("-\\frac{1}{2}", "-0.5"), ("\\dfrac{6}{8}", "3/4"), ("\\frac{1}{3}", "0.3333333"),
+             ("\\frac{12}{4}", "3"), ("\\frac{1}{3}", "0.333"), ("\\frac{5}{7}", "\\frac{10}{14}"), ("\\frac{2}{3}", "1")]  # fmt: skip
+    for _ in range(40):
+        p, q = rng.randint(-30, 30), rng.randint(1, 30)
+        pairs += [
+            (f"\\frac{{{p}}}{{{q}}}", f"{p}/{q}"),
+            (f"\\frac{{{p}}}{{{q}}}", str(round(p / q, rng.randint(1, 4)))),
+        ]
+    for answer, gold in pairs:
+        assert equivalent(answer, gold, fast=True) == equivalent(answer, gold, fast=False), (answer, gold)

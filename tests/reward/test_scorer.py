@@ -1,6 +1,6 @@
 """The scorer on the reference path (everything in this process): what fails scores reward_on_error and is
 counted, the first failure of a step lands in the run directory, 'raise' stops with the same facts, pure sympy
-checks asked twice run once and a user's calls never fold."""
+checks asked twice run once (and are remembered) and a user's calls never fold."""
 
 import json
 
@@ -44,9 +44,11 @@ def test_reward_on_error_raise_stops_with_the_first_failure_after_writing_it(tmp
 
 def test_a_sympy_check_asked_twice_runs_once_and_a_users_calls_never_fold():
     math = reward_for("math")
-    jobs = [Job(math, "p", "\\boxed{\\frac{1}{2}}", "0.5")] * 3 + [Job(math, "p", "\\boxed{7}", "7")]
+    jobs = [Job(math, "p", "\\boxed{x+1}", "1+x")] * 3 + [Job(math, "p", "\\boxed{7}", "7")]
     report = RewardScorer(None).score(jobs)
     assert report.values == [1.0] * 4 and report.num_pool_calls == 1  # 7 == 7 never left this process
+    scorer = RewardScorer(None)
+    assert [scorer.score(jobs[:1]).num_pool_calls for _ in range(2)] == [1, 0]  # remembered across calls
     user = reward_for(f"{__name__}:counting")
     CALLS.clear()
     report = RewardScorer(None).score([Job(user, "p", "a", "a")] * 3)
