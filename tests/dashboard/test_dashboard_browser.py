@@ -267,3 +267,18 @@ def test_a_deep_link_the_next_button_and_a_missing_sample_all_stay_in_the_sample
     assert "row 99 does not exist" in page.inner_text("#sample-status")
     assert all("404" in e for e in page.errors)  # the browser logs the failed fetch; nothing else went wrong
     page.errors.clear()
+
+
+def test_reward_timeouts_and_errors_show_on_the_metrics_tab_with_their_meaning(browser, tmp_path):
+    run = RunDirWriter(run_dir=tmp_path)
+    for step, (timeouts, errors) in enumerate([(0, 1), (3, 0)]):
+        run.append_metrics({"step": step, "reward": 0.5, "reward/timeouts": timeouts, "reward/errors": errors})
+    with DashboardServer(tmp_path) as server:
+        p = browser.new_page()
+        p.goto(server.url + "#metrics")
+        p.wait_for_selector(".card[data-metric='reward/timeouts'] canvas")
+        assert p.inner_text(".card[data-metric='reward/timeouts'] .title span") == "3"
+        title = p.get_attribute(".card[data-metric='reward/errors'] .title b", "title")
+        assert "raised or returned a non-finite number" in title
+        assert "REWARD" in p.eval_on_selector_all("#metrics-groups h2", "hs => hs.map((h) => h.innerText)")  # its group
+        p.close()

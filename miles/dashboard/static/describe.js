@@ -35,9 +35,14 @@ const PREFIX = {
     "sync/begin_s": "sync seconds spent pausing the engines and opening the update",
     "sync/commit_s": "sync seconds spent setting the version and resuming generation",
   })[k] ?? "a phase of the weight sync (seconds or bytes)",
+  "reward/": (k) => ({
+    "reward/timeouts": "reward calls past data.reward_timeout_s this step (killed; scored data.reward_on_error)",
+    "reward/errors": "reward calls that raised or returned a non-finite number this step (scored data.reward_on_error)",
+  })[k] ?? "a figure of this step's reward scoring",
   "time/": (k) => ({
     "time/step": "wall time of the whole RL step", "time/generate": "seconds the engines spent generating",
     "time/rollout": "seconds of the rollout: generation, rewards, advantages, batches",
+    "time/reward": "seconds spent scoring this step's samples (reward workers included)",
   })[k] ?? `seconds spent in ${k.slice(5)}`,
 };
 
