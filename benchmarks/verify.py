@@ -1,10 +1,14 @@
 """``miles bench verify``: responses scored per second by the math verifiers, side by side on the same responses
 in one run:
 
-- ``old``: one verifier call per response in this process, no time limit (how rewards were scored before
+- ``old``: one verifier call per response in one process, no time limit (how rewards were scored before
   miles.reward; the same functions, with their linear-time patterns, or the adversarial strings never end);
 - ``scorer_here``: the RewardScorer without a pool (repeated sympy checks folded and remembered, no time limit);
 - ``pool``: the RewardScorer with its pool: the linear fast path here, sympy in reward workers under the limit.
+
+``old`` and ``scorer_here`` each run in a process of their own (sympy's caches are per process), and the three
+sides take turns batch by batch, so that the shared machine's load drifts alike for all. CPU seconds count the
+pool's workers too.
 
 The responses are a seeded mix of what a math policy writes: plain numbers in the usual markings (boxed, ####,
 "the answer is", last number, with commas or units), LaTeX that needs sympy (fractions, roots, polynomials), wrong
@@ -20,6 +24,7 @@ finish (towers the cheap guard does not see) to a third, pool-only run: the refe
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import random
 import time
 
@@ -98,28 +103,71 @@ def corpus(n: int, seed: int = 0) -> list[Job]:
     return jobs
 
 
-def timed_old(jobs: list[Job]) -> tuple[list[float], dict]:
-    fns = {name: REWARDS[name] for name in REWARDS}
-    t0 = time.perf_counter()
-    values = [fns[j.reward.name](j.prompt, j.response, j.target) for j in jobs]
-    seconds = time.perf_counter() - t0
-    return values, {"seconds": seconds, "responses_per_s": len(jobs) / seconds}
+def cpu_seconds(pool: RewardPool | None) -> float:
+    """CPU seconds of this process and of the pool's live workers (the machine is shared: wall time is its load)."""
+    import psutil
+
+    total = time.process_time()
+    for pid in pool.pids() if pool else ():
+        try:
+            t = psutil.Process(pid).cpu_times()
+            total += t.user + t.system
+        except psutil.NoSuchProcess:
+            pass
+    return total
 
 
-def timed(scorer: RewardScorer, jobs: list[Job], batch: int) -> tuple[list[float], dict]:
-    values, timeouts, errors, pool_calls = [], 0, 0, 0
-    t0 = time.perf_counter()
-    for i in range(0, len(jobs), batch):
-        report = scorer.score(jobs[i : i + batch])
-        values += report.values
-        timeouts, errors, pool_calls = (
-            timeouts + report.timeouts,
-            errors + report.errors,
-            pool_calls + report.num_pool_calls,
-        )
-    seconds = time.perf_counter() - t0
-    return values, {"seconds": seconds, "responses_per_s": len(jobs) / seconds, "timeouts": timeouts,
-                    "errors": errors, "sympy_calls": pool_calls}  # fmt: skip
+class Side:
+    """One way of scoring, timed batch by batch: wall seconds, CPU seconds (with the pool's workers), counts."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.values: list[float] = []
+        self.seconds = self.cpu = 0.0
+        self.counts = {"timeouts": 0, "errors": 0, "sympy_calls": 0}
+
+    def add(self, values, seconds, cpu, counts) -> None:
+        self.values += values
+        self.seconds, self.cpu = self.seconds + seconds, self.cpu + cpu
+        self.counts = {k: self.counts[k] + counts[k] for k in self.counts}
+
+    def result(self, n: int) -> dict:
+        return {"seconds": self.seconds, "cpu_seconds": self.cpu, "responses_per_s": n / self.seconds, **self.counts}
+
+
+def score_batch(score, jobs: list[Job], pool: RewardPool | None = None):
+    """(values, wall seconds, CPU seconds, counts) of one batch."""
+    t0, c0 = time.perf_counter(), cpu_seconds(pool)
+    values, report = score(jobs)
+    seconds, cpu = time.perf_counter() - t0, cpu_seconds(pool) - c0
+    counts = {"timeouts": 0, "errors": 0, "sympy_calls": 0}
+    if report is not None:
+        counts = {"timeouts": report.timeouts, "errors": report.errors, "sympy_calls": report.num_pool_calls}
+    return values, seconds, cpu, counts
+
+
+def old_way(jobs: list[Job]):
+    """One verifier call per response, in this process (the reward functions as before miles.reward)."""
+    return [REWARDS[j.reward.name](j.prompt, j.response, j.target) for j in jobs], None
+
+
+def scorer_way(scorer: RewardScorer):
+    def score(jobs: list[Job]):
+        report = scorer.score(jobs)
+        return report.values, report
+
+    return score
+
+
+def side_process(conn, name: str, n: int, warm: list[Job]) -> None:
+    """An in-process side in a process of its own, so that its sympy and math-verify caches are its own (two
+    sides sharing one process warm each other's caches)."""
+    jobs = corpus(n)
+    score = old_way if name == "old" else scorer_way(RewardScorer(None))
+    score(warm)
+    conn.send("ready")
+    while (span := conn.recv()) is not None:
+        conn.send(score_batch(score, jobs[span[0] : span[1]]))
 
 
 def run(argv: list[str]) -> dict:
@@ -144,15 +192,35 @@ def run(argv: list[str]) -> dict:
         t0 = time.perf_counter()
         RewardScorer(pool).score(warm)  # every worker started, sympy imported and warm
         out["pool_start_s"] = time.perf_counter() - t0
-        RewardScorer(None).score(warm)  # the same imports here, outside the timing
-        old_values, out["old"] = timed_old(jobs)
-        here_values, out["scorer_here"] = timed(RewardScorer(None), jobs, args.batch)
-        new_values, out["pool"] = timed(RewardScorer(pool), jobs, args.batch)
-        out["same_rewards"] = old_values == here_values == new_values
+        ctx = multiprocessing.get_context("spawn")
+        conns, procs = {}, []
+        for name in ("old", "scorer_here"):
+            conns[name], theirs = ctx.Pipe()
+            procs.append(ctx.Process(target=side_process, args=(theirs, name, args.n, warm), daemon=True))
+            procs[-1].start()
+        for c in conns.values():
+            assert c.recv() == "ready"
+        sides = [Side("old"), Side("scorer_here"), Side("pool")]
+        pool_score = scorer_way(RewardScorer(pool))
+        for k, i in enumerate(range(0, len(jobs), args.batch)):  # the three sides by turns, batch by batch:
+            for side in sides[k % 3 :] + sides[: k % 3]:  # the machine's load drifts alike for each
+                span = (i, min(i + args.batch, len(jobs)))
+                if side.name == "pool":
+                    side.add(*score_batch(pool_score, jobs[span[0] : span[1]], pool))
+                else:
+                    conns[side.name].send(span)
+                    side.add(*conns[side.name].recv())
+        for c, proc in zip(conns.values(), procs):
+            c.send(None)
+            proc.join()
+        out |= {side.name: side.result(len(jobs)) for side in sides}
+        out["same_rewards"] = sides[0].values == sides[1].values == sides[2].values
         out["speedup_pool_vs_old"] = out["pool"]["responses_per_s"] / out["old"]["responses_per_s"]
         if args.bombs:
             bombs = [Job(reward_for("math"), "p", "\\boxed{9^{(9^{9})}}", "5")] * args.bombs  # parentheses: unseen
-            _, out["pool_with_bombs"] = timed(RewardScorer(pool), jobs[: args.batch] + bombs, args.batch)
-            out["pool_with_bombs"]["bombs"] = args.bombs
+            with_bombs = Side("pool_with_bombs")
+            with_bombs.add(*score_batch(scorer_way(RewardScorer(pool)), corpus(args.batch, seed=2) + bombs, pool))
+            out["pool_with_bombs"] = with_bombs.result(args.batch + args.bombs) | {"bombs": args.bombs}
+            del out["pool_with_bombs"]["cpu_seconds"]  # the killed workers' CPU time is gone with them
     out["load_after"] = os.getloadavg()
     return out
