@@ -31,7 +31,7 @@ class TaskConfig:
     min_len: int = 3  # shortest problem (letters or digits)
     max_len: int = 5  # longest problem
     alphabet: str = "abcdef"  # letters used by the letter tasks
-    reward: str = ""  # "module:function" to replace the task's own reward; see miles.rollout.tasks.RewardFn
+    reward: str = ""  # "module:function" to replace the task's own reward (runs under data.reward_timeout_s); see miles.rollout.tasks.RewardFn
 
     def __post_init__(self):
         if not 1 <= self.min_len <= self.max_len:

@@ -40,25 +40,31 @@ def load_function(spec: str, field: str):
     return fn
 
 
-def reward_for(spec: str, field: str = "data.reward") -> Reward:
-    """A built-in verifier by name, or a user's 'module:function' (checked by importing it here)."""
+def reward_for(spec: str, field: str = "data.reward", *, check_import: bool = True) -> Reward:
+    """A built-in verifier by name, or a user's 'module:function' (checked by importing it here, unless
+    ``check_import`` is False: a run that joins a cluster imports it on the cluster's nodes only)."""
     if spec in BUILTIN:
         return BUILTIN[spec]
-    load_function(spec, field)
+    if check_import:
+        load_function(spec, field)
+    elif not all(spec.partition(":")[::2]):
+        raise ValueError(f"{field} = {spec!r} should be 'module:function', e.g. 'my_rewards:exact'")
     return Reward(spec, call=spec)
 
 
 def check_rewards(cfg, rows=()) -> None:
     """Every reward the run names exists: task.reward and (with datasets) data.reward are importable, and with
     data.reward = auto each dataset row's verifier is a built-in one (``rows``: the PromptRows of data.train and
-    data.eval)."""
+    data.eval). A run that joins a cluster (ray_address) is not asked to import the user's module here: its
+    actors run on other nodes, with their own files."""
+    here = not cfg.ray_address
     if cfg.task.reward:
-        reward_for(cfg.task.reward, "task.reward")
+        reward_for(cfg.task.reward, "task.reward", check_import=here)
     d = cfg.data
     if not (d.train or d.eval):
         return
     if d.reward != "auto":
-        reward_for(d.reward)
+        reward_for(d.reward, check_import=here)
         return
     for row in rows:
         name = row.metadata.get("verifier", "math")

@@ -53,3 +53,15 @@ def test_a_sympy_check_asked_twice_runs_once_and_a_users_calls_never_fold():
     CALLS.clear()
     report = RewardScorer(None).score([Job(user, "p", "a", "a")] * 3)
     assert report.values == [1.0] * 3 and report.num_pool_calls == 3 and CALLS == ["a"] * 3
+
+
+def test_check_rewards_imports_a_users_reward_here_unless_the_run_joins_a_cluster(tmp_path):
+    from miles.config import apply_overrides
+    from miles.recipes import quickstart
+    from miles.reward.catalog import check_rewards
+
+    with pytest.raises(ValueError, match=r"task.reward = 'nope_mod:fn' cannot be loaded \(ModuleNotFoundError"):
+        check_rewards(apply_overrides(quickstart(), ["task.reward=nope_mod:fn"]))
+    check_rewards(apply_overrides(quickstart(), ["task.reward=nope_mod:fn", "ray_address=auto"]))  # its nodes'
+    with pytest.raises(ValueError, match="should be 'module:function'"):
+        check_rewards(apply_overrides(quickstart(), ["task.reward=nocolon", "ray_address=auto"]))
