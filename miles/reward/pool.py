@@ -80,12 +80,18 @@ class RewardPool:
         size = max(1, min(self.max_chunk, -(-len(calls) // (4 * self.num_workers))))
         queue = deque(list(range(i, min(i + size, len(calls)))) for i in range(0, len(calls), size))
         with self._lock:
-            while queue or any(w.todo for w in self.workers):
-                self._fill()
-                for w in self.workers:
-                    if w.ready and not w.todo and queue:
-                        self._send(w, queue.popleft(), calls, results, queue)
-                self._step(calls, results, queue)
+            try:
+                while queue or any(w.todo for w in self.workers):
+                    self._fill()
+                    for w in self.workers:
+                        if w.ready and not w.todo and queue:
+                            self._send(w, queue.popleft(), calls, results, queue)
+                    self._step(calls, results, queue)
+            except BaseException:  # Ctrl-C, or workers that cannot start: none keeps working on these calls
+                for w in [w for w in self.workers if w.todo]:
+                    w.todo = []
+                    self._kill(w)
+                raise
         return results
 
     def pids(self) -> list[int]:

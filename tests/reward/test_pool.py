@@ -148,3 +148,15 @@ def test_workers_die_with_their_parent_even_while_they_run_a_call():
         assert gone_within(pids, 5), [p for p in pids if alive(p)]
     finally:
         parent.kill()
+
+
+def test_a_run_interrupted_by_an_exception_leaves_no_worker_busy_with_its_calls():
+    import threading
+
+    with RewardPool(1, timeout_s=60.0) as pool:
+        pool.run(calls("echo", [1]))
+        threading.Timer(0.5, lambda: signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)).start()
+        with pytest.raises(KeyboardInterrupt):
+            pool.run(calls("hang", [0]))
+        assert all(not w.todo for w in pool.workers)
+        assert [r.value for r in pool.run(calls("echo", [2, 3]))] == [2.0, 3.0]  # the next run is its own
