@@ -104,10 +104,14 @@ def corpus(n: int, seed: int = 0) -> list[Job]:
 
 
 def cpu_seconds(pool: RewardPool | None) -> float:
-    """CPU seconds of this process and of the pool's live workers (the machine is shared: wall time is its load)."""
+    """CPU seconds of this process, of its children that ended (the workers the pool killed and reaped) and of
+    the pool's live workers (the machine is shared: wall time is also its load)."""
+    import resource
+
     import psutil
 
-    total = time.process_time()
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    total = time.process_time() + children.ru_utime + children.ru_stime
     for pid in pool.pids() if pool else ():
         try:
             t = psutil.Process(pid).cpu_times()
@@ -221,6 +225,5 @@ def run(argv: list[str]) -> dict:
             with_bombs = Side("pool_with_bombs")
             with_bombs.add(*score_batch(scorer_way(RewardScorer(pool)), corpus(args.batch, seed=2) + bombs, pool))
             out["pool_with_bombs"] = with_bombs.result(args.batch + args.bombs) | {"bombs": args.bombs}
-            del out["pool_with_bombs"]["cpu_seconds"]  # the killed workers' CPU time is gone with them
     out["load_after"] = os.getloadavg()
     return out
