@@ -26,6 +26,7 @@ import weakref
 from collections import deque
 from multiprocessing.connection import Connection, wait
 
+from miles import heartbeat
 from miles.reward.api import Call, CallResult
 
 MAX_FAILED_STARTS = 3
@@ -94,6 +95,15 @@ class RewardPool:
                 raise
         return results
 
+    def start(self, calls: list[str]) -> None:
+        """Start the workers now, each loading ``calls`` ('module:function') before it is ready, instead of at the
+        first ``run`` that needs them: a run starts its pool with the rollout, so the imports are no step's."""
+        if not calls:
+            return
+        with self._lock:
+            self.loaded += [c for c in calls if c not in self.loaded]
+            self._fill()
+
     def pids(self) -> list[int]:
         return [w.proc.pid for w in self.workers]
 
@@ -120,20 +130,18 @@ class RewardPool:
 
     # ---- the loop -------------------------------------------------------------------------------------------
     def _step(self, calls, results, queue) -> None:
-        """Wait for the next answer or the nearest deadline, then handle what came or what expired."""
+        """Wait for the next answer or the nearest deadline, handle what came, then what expired."""
         busy = [w for w in self.workers if not w.ready or w.todo]
         if not busy:
             return
-        now = time.monotonic()
-        deadlines = [self._deadline(w) for w in busy]
-        expired = [w for w, d in zip(busy, deadlines) if d <= now]
-        for w in expired:
-            self._expire(w, calls, results, queue, now)
-        if expired:
-            return
         by_conn = {w.conn: w for w in busy}
-        for conn in wait(list(by_conn), timeout=min(deadlines) - now):
+        timeout = max(0.0, min(self._deadline(w) for w in busy) - time.monotonic())
+        for conn in wait(list(by_conn), timeout=timeout):  # what already came first: a hello sent long ago counts
             self._read(by_conn[conn], calls, results, queue)
+        now = time.monotonic()
+        for w in busy:
+            if w in self.workers and (w.todo or not w.ready) and self._deadline(w) <= now:
+                self._expire(w, calls, results, queue, now)
 
     def _deadline(self, w: _Worker) -> float:
         if not w.ready:
@@ -177,6 +185,7 @@ class RewardPool:
             else:  # "fail"
                 results[w.todo.pop(0)] = CallResult(error=msg[1], seconds=msg[2], traceback=msg[3])
             w.since = now
+            heartbeat.beat()  # a reward call done, a worker ready: progress (miles.watchdog)
             if not w.conn.poll():
                 return
 

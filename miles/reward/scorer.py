@@ -27,7 +27,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from miles.atomic import atomic_write_text
+from miles.data.verify import SYMBOLIC
 from miles.reward.api import Call, CallResult, Deferred, Reward, RewardError
+from miles.reward.catalog import BUILTIN
 from miles.reward.pool import RewardPool
 from miles.reward.worker import load
 
@@ -222,6 +224,16 @@ def pool_for(d) -> RewardPool:
     """The reward workers of a run (``d``: its DataConfig); none starts before the first call that needs one."""
     n = d.reward_workers or min(4, len(os.sched_getaffinity(0)))
     return RewardPool(n, d.reward_timeout_s, memory_bytes=int(d.reward_memory_gb * 2**30))
+
+
+def calls_to_start(cfg) -> list[str]:
+    """What a run's reward workers will run ('module:function'), so that they can start and load it with the
+    rollout rather than inside a step: the user's reward of the sample source, or the sympy check of math."""
+    d = cfg.data
+    spec = d.reward if (d.train or d.eval) else cfg.task.reward
+    if spec in ("auto", "math", "math_format"):
+        return [SYMBOLIC]
+    return [spec] if spec and spec not in BUILTIN else []
 
 
 def scorer_for(cfg, pool: RewardPool) -> RewardScorer:

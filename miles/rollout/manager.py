@@ -20,7 +20,7 @@ from miles.memory import MemoryLedger
 from miles.model.tokenizer import load_tokenizer
 from miles.policy.dapo import fill_groups, round_key
 from miles.protocols.engine import ReceivesInProcess, UpdateCalls, supports
-from miles.reward.scorer import pool_for
+from miles.reward.scorer import calls_to_start, pool_for
 from miles.rollout.engine import EmbeddedEngine
 from miles.rollout.launch import spawn_miles_servers, spawn_sglang_servers
 from miles.rollout.router import Router
@@ -69,7 +69,7 @@ class RolloutManager(UpdateCalls):
                 )
                 for i in range(r.num_engines)
             ]
-        self.rewards = pool_for(cfg.data)  # reward worker processes, started by the first call that needs one
+        self.rewards = pool_for(cfg.data)  # reward worker processes (miles.reward), started below if the run needs them
         self.tasks = TaskSource(cfg, self.tokenizer, self.engines, self.rewards)  # also the SFT warm-up's answers
         self.source: SampleSource = (
             AgentSource(cfg, self.engines, self.tokenizer) if cfg.task.name == "swe" else self.tasks
@@ -79,6 +79,7 @@ class RolloutManager(UpdateCalls):
             from miles.data.source import DatasetSource
 
             self.data = self.source = DatasetSource(cfg, self.tokenizer, self.engines, self.rewards)
+        self.rewards.start(calls_to_start(cfg))  # the workers load the reward while the run starts up
         self.evaluator = None  # built on the first eval (miles.data.eval)
         self.last_samples: list[Sample] = []
 

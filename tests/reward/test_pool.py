@@ -160,3 +160,14 @@ def test_a_run_interrupted_by_an_exception_leaves_no_worker_busy_with_its_calls(
             pool.run(calls("hang", [0]))
         assert all(not w.todo for w in pool.workers)
         assert [r.value for r in pool.run(calls("echo", [2, 3]))] == [2.0, 3.0]  # the next run is its own
+
+
+def test_workers_started_ahead_are_ready_at_the_first_run_even_past_the_startup_limit():
+    with RewardPool(2, timeout_s=1.0, startup_timeout_s=10.0) as pool:
+        pool.start(["hostile_rewards:slow_to_load"])  # loaded (its 2 s warm-up included) before the first run
+        pids = pool.pids()
+        assert len(pids) == 2
+        time.sleep(12)  # their hello waits, unread, past the startup limit: still a start, not a hung one
+        t0 = time.monotonic()
+        assert [r.value for r in pool.run(calls("slow_to_load", [0, 0, 0]))] == [1.0, 1.0, 1.0]
+        assert pool.pids() == pids and time.monotonic() - t0 < 5
