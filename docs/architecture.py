@@ -48,6 +48,7 @@ LAYERS = [
         [
             ("miles/rollout/", "engine, manager, SGLang client, HTTP server"),
             ("miles/train/", "TrainActor; torch (FSDP2) / megatron backends"),
+            ("miles/reward/", "reward workers under a time limit, scorer"),
             ("miles/planner.py", "replays a plan against sizes: peaks before launch"),
             ("miles/plan_executor.py", "plan steps -> engine / trainer calls"),
         ],
@@ -85,7 +86,7 @@ LAYERS = [
     (
         "foundations",
         [
-            ("miles/protocols/", "the engine surface: request types, capabilities"),
+            ("miles/protocols/", "the engine surface, the reward contract"),
             ("miles/quant/", "FP8 / MXFP8 / NVFP4, workspaces"),
             ("miles/invariant/", "batch-invariant ops (true on-policy)"),
             ("miles/model/rope.py", "rotary frequencies, one formula"),

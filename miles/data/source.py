@@ -16,7 +16,7 @@ import time
 from miles.data.config import DataConfig
 from miles.data.dataset import BadRowError, PromptDataset, PromptRow, load_split
 from miles.protocols.engine import GenerateRequest, SamplingParams
-from miles.reward.api import Reward, RewardError
+from miles.protocols.reward import Reward, RewardError
 from miles.reward.catalog import BUILTIN, reward_for
 from miles.reward.pool import RewardPool
 from miles.reward.scorer import Job, scorer_for

@@ -21,7 +21,7 @@ import math
 import re
 from fractions import Fraction
 
-from miles.reward.api import Deferred
+from miles.protocols.reward import Deferred
 
 MAX_ANSWER_CHARS = 200
 MAX_DIGITS = 100_000  # an answer spelling a number longer than this (a tower, a factorial chain) is not parsed

@@ -1,3 +1,3 @@
-"""Rewards under a time limit: the reward contract (api), the catalog of rewards by name (catalog), the pool of
-killable worker processes that runs them (pool, worker) and the scorer that splits work between this process and
-the pool and counts what failed (scorer)."""
+"""Rewards under a time limit: the catalog of rewards by name (catalog), the pool of killable worker processes that
+runs them (pool, worker) and the scorer that splits work between this process and the pool and counts what failed
+(scorer). The contract they share is miles.protocols.reward."""

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import importlib
 
-from miles.data import verify
-from miles.reward.api import Reward
+from miles.data.verify import FORMAT_PASS, countdown_reward, math_format_quick, math_quick
+from miles.protocols.reward import Reward
 
 BUILTIN: dict[str, Reward] = {
-    "math": Reward("math", quick=verify.math_quick),
-    "math_format": Reward("math_format", quick=verify.math_format_quick, pass_at=verify.FORMAT_PASS),
-    "countdown": Reward("countdown", quick=verify.countdown_reward),
+    "math": Reward("math", quick=math_quick),
+    "math_format": Reward("math_format", quick=math_format_quick, pass_at=FORMAT_PASS),
+    "countdown": Reward("countdown", quick=countdown_reward),
 }
 
 

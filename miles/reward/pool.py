@@ -27,7 +27,7 @@ from collections import deque
 from multiprocessing.connection import Connection, wait
 
 from miles import heartbeat
-from miles.reward.api import Call, CallResult
+from miles.protocols.reward import Call, CallResult
 
 MAX_FAILED_STARTS = 3
 

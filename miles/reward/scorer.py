@@ -28,7 +28,7 @@ from pathlib import Path
 
 from miles.atomic import atomic_write_text
 from miles.data.verify import SYMBOLIC
-from miles.reward.api import Call, CallResult, Deferred, Reward, RewardError
+from miles.protocols.reward import Call, CallResult, Deferred, Reward, RewardError
 from miles.reward.catalog import BUILTIN
 from miles.reward.pool import RewardPool
 from miles.reward.worker import load

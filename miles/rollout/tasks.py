@@ -12,7 +12,7 @@ import random
 from dataclasses import dataclass
 
 from miles.config import TaskConfig
-from miles.reward.api import Reward, RewardError, RewardFn  # noqa: F401 (RewardError, RewardFn: re-exported)
+from miles.protocols.reward import Reward, RewardError, RewardFn  # noqa: F401 (RewardError, RewardFn: re-exported)
 from miles.reward.catalog import reward_for
 
 

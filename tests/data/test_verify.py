@@ -22,7 +22,7 @@ from miles.data.verify import (
     symbolic_equal,
     too_big,
 )
-from miles.reward.api import Deferred
+from miles.protocols.reward import Deferred
 from miles.reward.catalog import reward_for
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from miles.reward.api import Call
+from miles.protocols.reward import Call
 from miles.reward.pool import RewardPool
 
 HERE = Path(__file__).resolve().parent
@@ -123,7 +123,7 @@ def test_close_and_garbage_collection_leave_no_worker_process():
 PARENT = """
 import sys, threading
 sys.path.insert(0, {here!r})
-from miles.reward.api import Call
+from miles.protocols.reward import Call
 from miles.reward.pool import RewardPool
 pool = RewardPool(2, timeout_s=600)
 pool.run([Call("hostile_rewards:echo", ("p", "1", "t"))] * 4)

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from miles.reward.api import Reward, RewardError
+from miles.protocols.reward import Reward, RewardError
 from miles.reward.catalog import reward_for
 from miles.reward.scorer import Job, RewardScorer
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from miles.data.verify import SYMBOLIC
-from miles.reward.api import Call
+from miles.protocols.reward import Call
 from miles.reward.catalog import reward_for
 from miles.reward.pool import RewardPool
 from miles.reward.scorer import Job, RewardScorer

@@ -1,4 +1,5 @@
-"""The reward contract and the small types the scorer, the pool and the verifiers share.
+"""The reward contract, declared below the verifiers that implement it and the sources, scorer and pool that call
+it: the small types they share.
 
 A reward is ``fn(prompt, response, target) -> float``. A built-in one may split itself in two: a ``quick`` part
 that runs in the scoring process in linear time and either returns the reward or a ``Deferred`` call (the part
