@@ -4,7 +4,9 @@ review checked, before detokenized text, EOS stops, stop strings, scoring and st
 checkout. The same concurrent load (single-prompt /generate calls, ``return_logprob``, ``ignore_eos`` so both
 generate exactly ``--max-new-tokens``) goes to each in alternating rounds; then this checkout's server is asked
 with the new fields on (a text prompt, stop strings that never match, token texts in the log-probs, top log-probs,
-streaming, prefill scoring). Reports requests/s and tokens/s per case (median over rounds).
+streaming, prefill scoring). Reports requests/s and tokens/s per case (median over rounds) and, per round, the
+ratio of each case to the old server's plain load measured just before it (their median: ``vs_before_plain``),
+which is what survives a shared, noisy machine.
 
     miles bench generate_fields --json                       # 200 requests x 3 rounds, quickstart model
     miles bench generate_fields --base main~5 --num-requests 400
@@ -95,9 +97,12 @@ def _start(pythonpath: str, config_path: str) -> tuple[subprocess.Popen, str]:
 
 
 def run(argv: list[str]) -> dict:
+    import logging
+
     from miles.config import apply_overrides
     from miles.recipes import get_recipe
 
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     a = _parser().parse_args(argv)
     cfg = apply_overrides(get_recipe(a.recipe), [*a.set, "num_threads=1"])
     tmp = tempfile.mkdtemp(prefix="miles-fields-")
@@ -118,12 +123,14 @@ def run(argv: list[str]) -> dict:
         for url in (url_before, url_after):  # warm both
             asyncio.run(_fire(url, plain[: 4 * cfg.rollout.max_batch_size // 8 or 8]))
         rounds: dict[str, list[dict]] = {"before/plain": [], **{f"after/{c}": [] for c in CASES}}
+        ratios: dict[str, list[float]] = {k: [] for k in rounds}
         for _ in range(a.rounds):
-            rounds["before/plain"].append(asyncio.run(_fire(url_before, plain)))
-            for case, (extra, sampling) in CASES.items():
-                rounds[f"after/{case}"].append(
-                    asyncio.run(_fire(url_after, [_body(i, a, extra, sampling) for i in range(n)]))
-                )
+            for case, (extra, sampling) in CASES.items():  # each case right after its own old-server baseline
+                base = asyncio.run(_fire(url_before, plain))
+                rounds["before/plain"].append(base)
+                got = asyncio.run(_fire(url_after, [_body(i, a, extra, sampling) for i in range(n)]))
+                rounds[f"after/{case}"].append(got)
+                ratios[f"after/{case}"].append(got["requests_per_s"] / base["requests_per_s"])
     finally:
         for p in procs:
             p.terminate()
@@ -135,9 +142,8 @@ def run(argv: list[str]) -> dict:
         k: {"requests_per_s": med(v, "requests_per_s"), "tokens_per_s": med(v, "tokens_per_s")}
         for k, v in rounds.items()
     }
-    base_rps = table["before/plain"]["requests_per_s"]
-    for row in table.values():
-        row["vs_before_plain"] = round(row["requests_per_s"] / base_rps, 3) if base_rps else None
+    for k, row in table.items():
+        row["vs_before_plain"] = round(statistics.median(ratios[k]), 3) if ratios[k] else 1.0
     return {
         "config": {
             "base": a.base,
@@ -151,4 +157,5 @@ def run(argv: list[str]) -> dict:
         },
         "cases": table,
         "rounds": {k: [round(r["requests_per_s"], 1) for r in v] for k, v in rounds.items()},
+        "paired_ratios": {k: [round(x, 3) for x in v] for k, v in ratios.items() if v},
     }

@@ -84,6 +84,27 @@ def load_weights(model, path: str | os.PathLike) -> None:
     refuse_non_finite(own, path)
 
 
+def tensors_for_update(model, path: str | os.PathLike) -> list[tuple[str, torch.Tensor]]:
+    """A HF checkpoint directory's tensors for a live update of ``model`` (SGLang's update_weights_from_disk with
+    a model path): the whole model, each tensor cast to its parameter's dtype as SGLang's weight loaders do; the
+    same refusals as a load (missing, extra or reshaped tensors; NaN or inf)."""
+    try:
+        sd = read_hf_state_dict(path)
+    except (OSError, KeyError) as e:
+        raise ValueError(f"checkpoint {path} cannot be read ({e}); the engine keeps its weights") from None
+    except Exception as e:  # noqa: BLE001 - safetensors' own error type: a damaged shard
+        if type(e).__name__ != "SafetensorError":
+            raise
+        raise ValueError(f"checkpoint {path} has a damaged shard ({e}); the engine keeps its weights") from None
+    missing, unexpected, reshaped = expected_tensors(model, sd)
+    if missing or unexpected or reshaped:
+        raise ValueError(f"{mismatch_message(path, missing, unexpected, reshaped)}; the engine keeps its weights")
+    own = dict(model.named_parameters())
+    out = [(k, sd[k].to(p.dtype)) for k, p in own.items() if k in sd]
+    refuse_non_finite(dict(out), path)
+    return out
+
+
 def refuse_non_finite(params: dict, path) -> None:
     """A NaN or inf weight makes every logit NaN downstream (and NaN gradients from then on): nothing a run could
     learn from, so the checkpoint is refused rather than warned about. A NaN or inf anywhere makes a tensor's sum

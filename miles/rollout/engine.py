@@ -272,10 +272,14 @@ class EmbeddedEngine(UpdateCalls):
                 self.weight_version = int(version)
 
     def update_weights_from_disk(self, path: str, version: int | None = None) -> None:
-        """``path``: a safetensors file (loaded whole, as SGLang loads a checkpoint) or a disk-delta sync root
-        (the version's delta applied to the weights held now)."""
+        """``path``: a HF checkpoint directory or a safetensors file (loaded whole, as SGLang loads a checkpoint),
+        or a disk-delta sync root (the version's delta applied to the weights held now)."""
         from miles.sync.disk_delta.transport import load_version
 
+        if is_hf_checkpoint(path):
+            from miles.model.checkpoint import tensors_for_update
+
+            return self.update_weights_from_tensor(tensors_for_update(self.model, path), version)
         if str(path).endswith(".safetensors"):
             from safetensors.torch import load_file
 
@@ -341,7 +345,7 @@ class EmbeddedEngine(UpdateCalls):
         backend: str = "gloo",
         connect_timeout_s: float | None = None,
     ) -> None:
-        from miles.sync.receiver import join_group
+        from miles.sync.weight_group import join_group
 
         join_group(
             master_address,
@@ -354,16 +358,26 @@ class EmbeddedEngine(UpdateCalls):
         )
 
     def update_weights_from_distributed(
-        self, names, dtypes, shapes, group_name: str, version: int | None = None
+        self, names, dtypes, shapes, group_name: str, version: int | None = None, load_format: str | None = None
     ) -> None:
-        from miles.sync.receiver import receive_broadcast
+        """One call's broadcasts from rank 0 (``load_format``: miles.sync.weight_group.FORMATS; None = one per
+        tensor, SGLang's default), into an open update, else checked whole and applied."""
+        from miles.sync.weight_group import receive_broadcast
 
-        receive_broadcast(group_name, names, dtypes, shapes, [self.weight_receiver()], self.device)
+        receive_broadcast(
+            group_name, names, dtypes, shapes, [self.weight_receiver()], self.device, load_format,
+            check=self._check_weight, apply=self.update_weights_from_tensor,
+        )  # fmt: skip
         if version is not None:
             self.set_weight_version(version)
 
+    def broadcast_formats(self) -> tuple[str, ...]:
+        from miles.sync.weight_group import FORMATS
+
+        return FORMATS
+
     def destroy_weights_update_group(self, group_name: str) -> None:
-        from miles.sync.receiver import leave_group
+        from miles.sync.weight_group import leave_group
 
         leave_group(group_name)
 
@@ -371,7 +385,7 @@ class EmbeddedEngine(UpdateCalls):
         return 1  # this process
 
     def in_weights_group(self, group_name: str) -> bool:
-        from miles.sync.receiver import in_group
+        from miles.sync.weight_group import in_group
 
         return in_group(group_name)
 
@@ -394,6 +408,13 @@ class EmbeddedEngine(UpdateCalls):
 
     def named_weights(self) -> dict[str, torch.Tensor]:
         return {k: v.detach() for k, v in self.model.hf_state_dict().items()}
+
+
+def is_hf_checkpoint(path) -> bool:
+    """A directory holding a HF checkpoint (its config.json), not a disk-delta root."""
+    import os
+
+    return os.path.isdir(str(path)) and os.path.isfile(os.path.join(str(path), "config.json"))
 
 
 def _check_tags(tags: Iterable[str]) -> list[str]:

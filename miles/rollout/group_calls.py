@@ -94,9 +94,11 @@ class GroupCalls:
 
         done.add_done_callback(finished)
 
-    async def receive(self, names, dtypes, shapes, group_name: str, version: int | None) -> None:
+    async def receive(
+        self, names, dtypes, shapes, group_name: str, version: int | None, load_format: str | None = None
+    ) -> None:
         fn = self.engine.update_weights_from_distributed
-        await self._on(self._receive_pool, fn, names, dtypes, shapes, group_name, version)
+        await self._on(self._receive_pool, fn, names, dtypes, shapes, group_name, version, load_format)
 
     async def leave(self, group_name: str) -> None:
         await self._on(self._receive_pool, self.engine.destroy_weights_update_group, group_name)

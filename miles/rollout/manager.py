@@ -189,17 +189,33 @@ class RolloutManager(UpdateCalls):
             master_address, master_port, rank_offset, world_size, group_name, backend
         )
 
-    def update_weights_from_distributed(self, names, dtypes, shapes, group_name, version=None) -> None:
-        from miles.sync.receiver import receive_broadcast
+    def update_weights_from_distributed(
+        self, names, dtypes, shapes, group_name, version=None, load_format=None
+    ) -> None:
+        from miles.sync.weight_group import receive_broadcast
 
         if not supports(self.engines[0], ReceivesInProcess):  # an HTTP engine: its server process is the group member
-            self.engines[0].update_weights_from_distributed(names, dtypes, shapes, group_name, version)
+            self.engines[0].update_weights_from_distributed(names, dtypes, shapes, group_name, version, load_format)
             return
+
+        def apply(named):
+            for e in self.engines:
+                e.update_weights_from_tensor(named)
+
+        receivers = [e.weight_receiver() for e in self.engines]
         receive_broadcast(
-            group_name, names, dtypes, shapes, [e.weight_receiver() for e in self.engines], self.engines[0].device
-        )
+            group_name, names, dtypes, shapes, receivers, self.engines[0].device, load_format,
+            check=self.engines[0]._check_weight, apply=apply,
+        )  # fmt: skip
         if version is not None:
             self.set_weight_version(version)
+
+    def broadcast_formats(self) -> tuple[str, ...]:
+        """What a broadcast to these engines may carry (miles.sync.weight_group.FORMATS), fastest first."""
+        from miles.sync.weight_group import FORMATS
+
+        e = self.engines[0]
+        return tuple(e.broadcast_formats()) if hasattr(e, "broadcast_formats") else FORMATS
 
     def destroy_weights_update_group(self, group_name) -> None:
         self.engines[0].destroy_weights_update_group(group_name)
@@ -284,7 +300,9 @@ def sglang_engines(cfg, device: str, ledger=None) -> list:
     """The engines for ``rollout.engine = "sglang"``: clients of servers launched here (stopped on close), or of
     ``rollout.engine_urls`` (attached: never stopped, never restarted); a Router when there are several."""
     r = cfg.rollout
-    flavor = "miles" if r.sglang_launcher == STANDIN else "sglang"  # the stand-in takes miles' tensor payloads
+    # the stand-in answers every SGLang endpoint as SGLang does; "miles" adds what only miles serve has (its flat
+    # buckets and transactions, the memory ledger, named_weights for check_weights and for a restarted server)
+    flavor = "miles" if r.sglang_launcher == STANDIN else "sglang"
     vocab = cfg.model.vocab_size  # every output id is checked against it
     if r.engine_urls:
         clients = [SGLangClient(url, flavor=flavor, ledger=None, vocab_size=vocab) for url in r.engine_urls]

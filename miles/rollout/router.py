@@ -223,11 +223,13 @@ class Router:
             self._at_once(calls)
             self._group, self._group_members = group_name, members
 
-    def update_weights_from_distributed(self, names, dtypes, shapes, group_name, version=None) -> None:
+    def update_weights_from_distributed(
+        self, names, dtypes, shapes, group_name, version=None, load_format=None
+    ) -> None:
         """Every member receives the same broadcast, so all are called at once."""
         with self._control:
             self._sync_open = version is None
-            args = (names, dtypes, shapes, group_name, version)
+            args = (names, dtypes, shapes, group_name, version, load_format)
             self._at_once([(i, "update_weights_from_distributed", args) for i in self._group_members])
 
     def destroy_weights_update_group(self, group_name) -> None:
@@ -239,6 +241,11 @@ class Router:
                     self.clients[i].destroy_weights_update_group(group_name)
                 except EngineUnavailable as e:
                     log.warning("engine %d: leaving weight update group %s failed: %s", i, group_name, e)
+
+    def broadcast_formats(self) -> tuple[str, ...]:
+        """The broadcast formats every live server takes, in the first one's order of preference."""
+        each = [self.clients[i].broadcast_formats() for i in self.live()]
+        return tuple(f for f in each[0] if all(f in e for e in each[1:])) if each else ("per_tensor",)
 
     def in_weights_group(self, group_name: str) -> bool:
         """False once a member died or was restarted, or a server came back that is not a member: the sync forms

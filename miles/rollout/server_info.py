@@ -13,6 +13,7 @@ from datetime import datetime, timezone
 from fastapi import FastAPI
 
 from miles.rollout.sglang_api import WireError
+from miles.sync.weight_group import FORMATS as BROADCAST_FORMATS  # what /update_weights_from_distributed takes
 
 SGLANG_VERSION = "0.5.10.post1"  # the SGLang HTTP API this server answers as (/server_info "version")
 
@@ -133,9 +134,6 @@ def add_routes(app: FastAPI, srv) -> None:
     @app.get("/weight_version")
     async def weight_version():
         return {"weight_version": srv.version}
-
-
-BROADCAST_FORMATS = ("miles_flat", "flattened_bucket", "per_tensor")  # what /update_weights_from_distributed takes
 
 
 def _load(srv, sections: set[str]) -> dict:

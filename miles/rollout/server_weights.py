@@ -8,6 +8,7 @@ under /miles/.
 from __future__ import annotations
 
 import asyncio
+import base64
 import io
 import os
 
@@ -16,8 +17,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from miles.memory.ledger import process_rss_bytes
-from miles.rollout.engine import ENGINE_TAGS
+from miles.rollout import sglang_payloads
+from miles.rollout.engine import ENGINE_TAGS, is_hf_checkpoint
 from miles.rollout.serve_http import Conflict, read_body
+from miles.rollout.server_info import BROADCAST_FORMATS
 from miles.rollout.sglang_api import (
     FLATTENED_BUCKET,
     WireError,
@@ -40,18 +43,28 @@ def _tensor_routes(app: FastAPI, srv) -> None:
 
     @app.post("/update_weights_from_tensor")
     async def update_from_tensor(request: Request):
+        """SGLang's MultiprocessingSerializer payloads (pairs, or slime's flattened bucket; read by a restricted
+        unpickler, entry 0 as SGLang's tensor-parallel rank 0 reads), or miles' own torch.save payloads (pairs,
+        or flat-bucket handles: every entry)."""
         body = await read_body(request)
-        entries = body.get("serialized_named_tensors")
+        entries, fmt = body.get("serialized_named_tensors"), body.get("load_format")
         if not isinstance(entries, list) or not entries or not all(isinstance(s, str) for s in entries):
             raise WireError("serialized_named_tensors must be a non-empty list of base64 strings (one per TP rank)")
         v = body.get("weight_version")
         version = srv.engine_version(v)
-        if body.get("load_format") == FLATTENED_BUCKET:  # the engine opens it (and lands it in an open update)
+        if _flag(body.get("abort_all_requests", False)):
+            srv.batcher.abort(None)
+        raw = [_b64(s) for s in entries]
+        if sglang_payloads.is_pickle(raw[0]):
+            named = sglang_payloads.named_tensors(sglang_payloads.deserialize(raw[0]), fmt)
+            await asyncio.to_thread(e.update_weights_from_tensor, named, version)
+            message = f"updated {len(named)} tensors"
+        elif fmt == FLATTENED_BUCKET:  # miles' bucket handle: the engine opens it (and lands it in an open update)
             for s in entries:
                 await asyncio.to_thread(_apply_bucket, e, bucket_handle(decode_payload(s)), version)
             message = f"applied {len(entries)} bucket(s)"
         else:
-            named = [p for s in entries for p in named_tensors_of(decode_payload(s), body.get("load_format"))]
+            named = [p for s in entries for p in named_tensors_of(decode_payload(s), fmt)]
             await asyncio.to_thread(e.update_weights_from_tensor, named, version)
             message = f"updated {len(named)} tensors"
         srv.version = srv.version if v is None else v
@@ -70,24 +83,30 @@ def _tensor_routes(app: FastAPI, srv) -> None:
 
     @app.post("/update_weights_from_disk")
     async def update_from_disk(request: Request):
+        """A HF checkpoint directory (SGLang's use: the whole model, weight_version optional) or a miles disk-delta
+        directory (weight_version: the delta version to load)."""
         body = await read_body(request)
         path, v = body.get("model_path"), body.get("weight_version")
         version = srv.engine_version(v)
         if not isinstance(path, str) or not path:
-            raise WireError("/update_weights_from_disk needs model_path (a disk-delta directory)")
-        if version is None:
-            raise WireError("/update_weights_from_disk needs weight_version: the disk-delta version to load")
-        if not os.path.isdir(path) or path.endswith(".safetensors"):
-            raise WireError(f"model_path {path!r} is not a disk-delta directory on the server's machine")
+            raise WireError("/update_weights_from_disk needs model_path (a HF checkpoint or disk-delta directory)")
+        if not os.path.isdir(path):
+            raise WireError(f"model_path {path!r} is not a directory on the server's machine")
+        hf = is_hf_checkpoint(path)
+        if not hf and path.endswith(".safetensors"):
+            raise WireError(f"model_path {path!r} is neither a HF checkpoint (config.json) nor a disk-delta directory")
+        if version is None and not hf:
+            raise WireError("/update_weights_from_disk of a disk-delta directory needs weight_version (its version)")
+        if _flag(body.get("abort_all_requests", False)):
+            srv.batcher.abort(None)
         try:
             await asyncio.to_thread(e.update_weights_from_disk, path, version)
-        except (TypeError, AttributeError) as err:  # an index.json of the wrong shape (e.g. tensors a list)
+        except (TypeError, AttributeError, KeyError) as err:  # an index.json of the wrong shape (e.g. tensors a list)
             raise WireError(
-                f"version {version} under {path} is malformed ({type(err).__name__}: {err}); "
-                "the engine keeps its weights"
+                f"{path} is malformed ({type(err).__name__}: {err}); the engine keeps its weights"
             ) from None
-        srv.version = v
-        return {"success": True, "message": f"loaded {path}; weight version {v}", "num_paused_requests": 0}
+        srv.version = srv.version if v is None else v
+        return {"success": True, "message": f"Succeeded to update model weights from {path}.", "num_paused_requests": 0}
 
 
 def _group_routes(app: FastAPI, srv) -> None:
@@ -109,9 +128,16 @@ def _group_routes(app: FastAPI, srv) -> None:
             and len(names) == len(dtypes) == len(shapes)
         ):
             raise WireError("/update_weights_from_distributed needs names, dtypes and shapes: lists of equal length")
-        group = str(body.get("group_name", "weight_update_group"))
-        v = body.get("weight_version")
-        await srv.groups.receive(names, dtypes, shapes, group, srv.engine_version(v))
+        group, v, fmt = (
+            str(body.get("group_name", "weight_update_group")),
+            body.get("weight_version"),
+            body.get("load_format"),
+        )
+        if fmt not in (None, *BROADCAST_FORMATS):
+            raise WireError(
+                f"load_format = {fmt!r}; /update_weights_from_distributed takes null, {list(BROADCAST_FORMATS)}"
+            )
+        await srv.groups.receive(names, dtypes, shapes, group, srv.engine_version(v), fmt)
         srv.version = srv.version if v is None else v
         return {"success": True, "message": "Succeeded to update parameter online."}
 
@@ -178,6 +204,19 @@ def _apply_bucket(engine, handle, version) -> None:
             f"bucket {handle.key} could not be opened ({err}); flattened buckets only work between "
             "processes of one machine"
         ) from None
+
+
+def _b64(s: str) -> bytes:
+    try:
+        return base64.b64decode(s, validate=True)
+    except (ValueError, TypeError) as e:
+        raise WireError(f"serialized_named_tensors entry is not base64 ({e})") from None
+
+
+def _flag(v) -> bool:
+    if not isinstance(v, bool):
+        raise WireError(f"abort_all_requests = {v!r} must be true or false")
+    return v
 
 
 def _asdict(x) -> dict:

@@ -76,6 +76,7 @@ class SGLangClient:
         self._aclients: dict[int, httpx.AsyncClient] = {}
         self._opened = None
         self._groups: set[str] = set()  # weight update groups this server joined through this client
+        self._formats: tuple[str, ...] | None = None  # broadcast formats the server takes (asked once)
         if ledger is not None:
             self._pull_ledger()  # what the server recorded while it started
 
@@ -218,7 +219,11 @@ class SGLangClient:
     ) -> None:
         named = [(n, t.detach()) for n, t in named_tensors]
         if self.flavor == "sglang":
-            payload, fmt = _sglang_serialize(named), None
+            from miles.rollout.sglang_payloads import serialize
+
+            # a CPU tensor is shared by moving its storage into shared memory: share a copy, never the caller's
+            named = [(n, t.clone() if t.device.type == "cpu" else t) for n, t in named]
+            payload, fmt = serialize(named), None  # ``named`` stays alive until the server has answered
         else:
             payload, fmt = encode_payload([(n, t.cpu()) for n, t in named]), None
         self._update_tensor(payload, fmt, version)
@@ -287,14 +292,17 @@ class SGLangClient:
         shapes: list[list[int]],
         group_name: str = "weight_update_group",
         version: int | None = None,
+        load_format: str | None = None,
     ) -> None:
-        """Receive one flat bucket broadcast by rank 0 of the group; call while rank 0 broadcasts it."""
+        """Receive one call's broadcasts from rank 0 of the group (``load_format``: one of broadcast_formats();
+        None = one broadcast per tensor); call while rank 0 broadcasts."""
         body = {
             "names": names,
             "dtypes": dtypes,
             "shapes": [list(s) for s in shapes],
             "group_name": group_name,
             "flush_cache": False,
+            "load_format": None if load_format == "per_tensor" else load_format,
         }
         if version is not None:
             body["weight_version"] = str(version)
@@ -316,6 +324,15 @@ class SGLangClient:
             return 1
         info = self._get_first("/server_info", "/get_server_info")
         return int(info.get("tp_size", 1)) if isinstance(info, dict) else 1
+
+    def broadcast_formats(self) -> tuple[str, ...]:
+        """What /update_weights_from_distributed takes here, fastest first: miles serve lists its formats in
+        /server_info; SGLang lists none, and one broadcast per tensor is what every version of it receives."""
+        if self._formats is None:
+            info = self._get_first("/server_info", "/get_server_info")
+            miles = info.get("miles") if isinstance(info, dict) else None
+            self._formats = tuple((miles or {}).get("weight_broadcast_formats") or ("per_tensor",))
+        return self._formats
 
     def in_weights_group(self, group_name: str) -> bool:
         """Joined through this client (a restarted server gets a new client, which has joined nothing)."""
@@ -393,11 +410,3 @@ def _generate_bytes(requests: list[GenerateRequest]) -> int:
 
 def _device_bytes(events, direction: str) -> int:
     return sum(e.bytes for e in events if e.pool == "device" and e.direction == direction)
-
-
-def _sglang_serialize(named: list[tuple[str, torch.Tensor]]) -> str:
-    try:
-        from sglang.srt.utils import MultiprocessingSerializer
-    except ImportError as e:
-        raise ImportError("sending tensors to a real SGLang server needs sglang: pip install 'miles[sglang]'") from e
-    return MultiprocessingSerializer.serialize(named, output_str=True)

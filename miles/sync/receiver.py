@@ -11,21 +11,19 @@ released at that moment, so the shadow takes its place) and one extra device cop
 A group (the shards of one fused engine parameter, see ``miles.sync.buckets.fused_group``) is written only once
 all of its pieces have arrived, even when a fixed bucket cut it across rounds.
 
-Broadcast and RDT arrive once per engine process and are applied to every engine it holds, so their entry
-points take a list of receivers (the RolloutManager passes all its engines').
+Broadcast (miles.sync.weight_group) and RDT arrive once per engine process and are applied to every engine it
+holds, so their entry points take a list of receivers (the RolloutManager passes all its engines').
 """
 
 from __future__ import annotations
 
-import datetime
 import logging
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
-from miles.sync.buckets import PieceMeta, WeightManifest, WeightSpec, aligned, byte_view
+from miles.sync.buckets import PieceMeta, WeightManifest, WeightSpec, byte_view
 
 log = logging.getLogger(__name__)
 
@@ -233,142 +231,6 @@ def _copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
 def _sync_device(items) -> None:
     for device in {d.device for _, d in items if d.is_cuda}:  # (this thread's current device may be another)
         torch.cuda.current_stream(device).synchronize()  # the sender may reuse its buffer as soon as we return
-
-
-# ---- broadcast: a private process group per (engine process, group name) ----------------------------------
-_GROUPS: dict[str, "WeightGroup"] = {}
-_RECV_BUFFERS: dict[str, torch.Tensor] = {}
-
-
-def make_group(
-    master_address: str,
-    master_port: int,
-    rank: int,
-    world_size: int,
-    group_name: str,
-    backend: str,
-    timeout_s: float = 300.0,
-    connect_timeout_s: float | None = None,
-):
-    """A torch.distributed process group of its own (TCPStore rendezvous), independent of any default group.
-    ``connect_timeout_s`` bounds the rendezvous (reaching the store, all ranks joining); ``timeout_s`` each
-    collective afterwards.
-
-    It does not touch ``torch.distributed``'s default group, so a trainer already in an FSDP world and an
-    engine process can both join it. Gloo binds to an explicit address of this host (the rendezvous address
-    on rank 0, this node's address elsewhere) instead of guessing an interface from the hostname.
-    """
-    import torch.distributed as dist
-
-    timeout = datetime.timedelta(seconds=timeout_s)
-    connect = datetime.timedelta(seconds=connect_timeout_s or timeout_s)
-    store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=connect)
-    prefixed = dist.PrefixStore(group_name, store)
-    if backend == "gloo":
-        opts = dist.ProcessGroupGloo._Options()
-        opts._timeout = timeout
-        opts._devices = [
-            dist.ProcessGroupGloo.create_device(
-                hostname=master_address if rank == 0 else _local_address(master_address)
-            )
-        ]
-        pg = dist.ProcessGroupGloo(prefixed, rank, world_size, opts)
-    elif backend == "nccl":
-        opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = timeout
-        pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
-    else:
-        raise ValueError(f"broadcast backend {backend!r} is not supported; use 'gloo' (CPU) or 'nccl' (CUDA)")
-    return WeightGroup(pg, store)
-
-
-@dataclass(frozen=True, slots=True)
-class WeightGroup:
-    pg: object
-    store: object  # the master's TCPStore must live as long as the group
-
-
-def _local_address(master_address: str) -> str:
-    if master_address in ("127.0.0.1", "localhost", "::1"):
-        return master_address
-    try:
-        import ray
-
-        if ray.is_initialized():
-            return ray.util.get_node_ip_address()
-    except ImportError:
-        pass
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:  # the interface that routes to the master
-        s.connect((master_address, 9))
-        return s.getsockname()[0]
-
-
-def broadcast(group: WeightGroup, tensor: torch.Tensor, root: int = 0) -> None:
-    import torch.distributed as dist
-
-    opts = dist.BroadcastOptions()
-    opts.rootRank, opts.rootTensor = root, 0
-    group.pg.broadcast([tensor], opts).wait()
-    if tensor.is_cuda:
-        torch.cuda.current_stream().synchronize()
-
-
-def join_group(
-    master_address: str,
-    master_port: int,
-    rank_offset: int,
-    world_size: int,
-    group_name: str,
-    backend: str = "gloo",
-    timeout_s: float = 300.0,
-    connect_timeout_s: float | None = None,
-) -> None:
-    """Engine-process side of ``init_weights_update_group`` (this process is rank ``rank_offset``)."""
-    if group_name in _GROUPS:
-        return
-    _GROUPS[group_name] = make_group(
-        master_address, master_port, rank_offset, world_size, group_name, backend, timeout_s, connect_timeout_s
-    )
-
-
-def in_group(group_name: str) -> bool:
-    """Whether this process is a member of weight update group ``group_name``."""
-    return group_name in _GROUPS
-
-
-def leave_group(group_name: str) -> None:
-    _GROUPS.pop(group_name, None)
-    _RECV_BUFFERS.pop(group_name, None)
-
-
-def receive_broadcast(
-    group_name: str,
-    names: list[str],
-    dtypes: list[str],
-    shapes: list[tuple[int, ...]],
-    receivers: list[WeightReceiver],
-    device,
-) -> None:
-    """Receive one flat bucket broadcast by rank 0 and land its tensors in every receiver."""
-    pg = _GROUPS.get(group_name)
-    if pg is None:
-        raise ReceiveError(
-            f"no weight update group {group_name!r} in this process; call init_weights_update_group first"
-        )
-    sizes = [WeightSpec(n, d, tuple(s), n).nbytes for n, d, s in zip(names, dtypes, shapes)]
-    metas, off = [], 0
-    for n, size in zip(names, sizes):
-        metas.append(PieceMeta(n, off, size))
-        off += aligned(size)
-    buf = _RECV_BUFFERS.get(group_name)
-    if buf is None or buf.numel() < off or buf.device != torch.device(device):
-        buf = _RECV_BUFFERS[group_name] = torch.empty(max(off, 1), dtype=torch.uint8, device=device)
-    broadcast(pg, buf[: max(off, 1)])
-    items = [(m, buf[m.offset : m.offset + m.nbytes]) for m in metas]
-    for r in receivers:
-        r.receive(items)
 
 
 def receive_flat(flat: torch.Tensor, pieces: list[PieceMeta], receivers: list[WeightReceiver]) -> None:

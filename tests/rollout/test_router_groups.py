@@ -35,7 +35,7 @@ class Server:
         self.joined.append((rank_offset, world_size))
         self.groups.add(group_name)
 
-    def update_weights_from_distributed(self, names, dtypes, shapes, group_name, version=None):
+    def update_weights_from_distributed(self, names, dtypes, shapes, group_name, version=None, load_format=None):
         if self.barrier is not None:
             self.barrier.wait(timeout=5)
         self.received += 1

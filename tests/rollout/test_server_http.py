@@ -243,7 +243,7 @@ def test_an_aborted_weight_update_leaves_the_served_weights_and_version_alone(cf
 def test_update_weights_from_distributed_lands_a_broadcast_from_rank_0(client):
     from miles.rollout.launch import free_port
     from miles.sync.buckets import Piece, WeightManifest, fused_group, layout
-    from miles.sync.receiver import broadcast, make_group
+    from miles.sync.weight_group import broadcast, make_group
 
     original, version = client.named_weights(), client.weight_version
     named = [(k, v * 0.5) for k, v in original.items()]
@@ -264,6 +264,7 @@ def test_update_weights_from_distributed_lands_a_broadcast_from_rank_0(client):
             [list(w.shape) for _, w in named],
             "serve-test",
             version=41,
+            load_format="miles_flat",  # the aligned flat bucket built above (SGLang's default is one per tensor)
         )
     )
     broadcast(pg, flat)

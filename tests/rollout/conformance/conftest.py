@@ -40,13 +40,14 @@ def crafted_weights(engine, token: int) -> list[tuple[str, torch.Tensor]]:
 
 @pytest.fixture(scope="module")
 def servers(conf_cfg):
-    """``servers(token=None)``: a server (random weights, or crafted to emit ``token``), one per token per module."""
+    """``servers(token=None)``: a server (random weights, or crafted to emit ``token`` when it is an int; any other
+    key gives a server of its own), one per key per module."""
     opened: dict = {}
 
-    def get(token: int | None = None) -> ThreadedServer:
+    def get(token=None) -> ThreadedServer:
         if token not in opened:
             engine = build_engine(conf_cfg, "cpu")
-            if token is not None:
+            if isinstance(token, int):
                 engine.update_weights_from_tensor(crafted_weights(engine, token))
             opened[token] = ThreadedServer(EngineServer(engine, batch_wait_ms=2)).__enter__()
         return opened[token]
