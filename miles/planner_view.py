@@ -178,13 +178,25 @@ def phase_spans(phases: list[str]) -> list[tuple[str, int, int]]:
     return spans
 
 
+def shade_phases(ax, phases: list[str], top: float) -> None:
+    """The phases behind a step timeline: a band per run of equal phase, its name at the top of the band."""
+    for phase, a, b in phase_spans(phases):
+        ax.axvspan(a - 0.5, b - 0.5, color=PHASE_COLOURS[phase], zorder=0)
+        ax.text((a + b - 1) / 2, top * 0.97, PHASE_NAMES[phase], ha="center", va="top", fontsize=7, color="0.35")
+
+
+def label_steps(ax, labels: list[str], fontsize: float = 7.5) -> None:
+    """One tick per step, its name slanted at 45 degrees and ending under its tick (readable at 16 steps)."""
+    ax.set_xticks(range(len(labels)), labels, rotation=45, ha="right", rotation_mode="anchor", fontsize=fontsize)
+
+
 def draw(v: View, fig=None):
     """Two panels over the executed steps: device GiB per GPU and host GiB per node, each with its budget line,
     the phases shaded, the peak step marked; the title carries the verdict and the predicted handoff seconds."""
     import matplotlib.pyplot as plt
 
     if fig is None:
-        fig = plt.figure(figsize=(12, 4.2))
+        fig = plt.figure(figsize=(13, 4.8))
         plt.close(fig)
     fig.clear()
     axes = fig.subplots(1, 2, sharex=True)
@@ -195,9 +207,7 @@ def draw(v: View, fig=None):
     ]
     for ax, ys, budget, peak, ylabel, budget_label in panels:
         top = max(max(ys), budget) * 1.25
-        for phase, a, b in phase_spans(v.phases):
-            ax.axvspan(a - 0.5, b - 0.5, color=PHASE_COLOURS[phase], zorder=0)
-            ax.text((a + b - 1) / 2, top * 0.97, PHASE_NAMES[phase], ha="center", va="top", fontsize=7, color="0.35")
+        shade_phases(ax, v.phases, top)
         colour = "C3" if ys[peak] > budget else "C0"
         ax.plot(x, ys, drawstyle="steps-mid", color=colour, lw=2, label="planned")
         ax.axhline(budget, ls="--", c="k", lw=1, label=f"{budget_label} {budget:.0f} GiB")
@@ -211,8 +221,8 @@ def draw(v: View, fig=None):
         )
         ax.set_ylabel(ylabel)
         ax.set_ylim(0, top)
-        ax.set_xticks(list(x), v.labels, rotation=75, fontsize=6)
-        ax.legend(fontsize=7, loc="lower left", framealpha=0.9)
+        label_steps(ax, v.labels)
+        ax.legend(fontsize=7, loc="lower left", bbox_to_anchor=(0, 1), ncol=2, frameon=False)  # above the data
     k = v.knobs
     fig.suptitle(
         f"{k.model} on {k.nodes} x {k.hardware} ({v.report.gpus} GPUs), {k.precision}, level {k.level}, "

@@ -2,8 +2,11 @@
 
 Each notebook that reproduces a PR of the production framework (github.com/radixark/miles) names it, gives the
 PR's figure, ours (measured here at small scale, on the H200 where a stored result exists, or modelled at full
-scale by the planner or the traffic model), their ratio, and one side-by-side plot. A figure the PR does not
-state is ``None`` and shows as "not stated"; a figure we cannot measure here says why in ``note``.
+scale by the planner or the traffic model), their ratio, and a side-by-side plot of the claims that have both
+figures. A figure the PR does not state is ``None`` and shows as "not stated" in the table, and its claim is left
+out of the plot (a bar chart of ours beside an empty bar says nothing the table does not); a box none of whose
+claims has a published figure is the header and the table only. A figure we cannot measure here says why in
+``note``.
 
     box(2781, "host peak at the handoff", [Claim("DSv4-Flash host peak, cpu order", "GiB/tray", 898, 992.6,
         "modelled: planner, 8 x GB300", note="published figure is the cgroup it overflows")])
@@ -17,7 +20,7 @@ from dataclasses import dataclass
 
 REPO = "https://github.com/radixark/miles/pull"
 PRS = {
-    2692: "rejected layouts",
+    2692: "disk-delta: tensor layouts that differ from the canonical checkpoint rejected",
     2739: "optimizer state offloaded to NVMe",
     2748: "agent abort flushes every session-server instance",
     2764: "policy log-probs in model precision (logits memory)",
@@ -64,20 +67,23 @@ def table(claims: list[Claim]):
 
 
 def plot(claims: list[Claim], title: str = ""):
-    """One small panel per claim with a figure: published and ours as two bars, labelled with the values."""
+    """One small panel per claim with both figures: published and ours as two bars, labelled with the values.
+    None when no claim has both (the table then says everything)."""
     import matplotlib.pyplot as plt
 
-    shown = [c for c in claims if c.ours is not None or c.published is not None]
-    fig, axes = plt.subplots(1, max(len(shown), 1), figsize=(2.8 * max(len(shown), 1) + 0.6, 3.0), squeeze=False)
+    shown = [c for c in claims if c.ours is not None and c.published is not None]
+    if not shown:
+        return None
+    fig, axes = plt.subplots(1, len(shown), figsize=(2.8 * len(shown) + 0.6, 3.0), squeeze=False)
     for ax, c in zip(axes[0], shown):
-        values = [c.published, c.ours]
-        bars = ax.bar([0, 1], [v or 0 for v in values], color=["0.6", "C0"], width=0.6)
-        for bar, v in zip(bars, values):
-            label = "not stated" if v is None else f"{v:,.3g}"
-            ax.text(bar.get_x() + bar.get_width() / 2, bar.get_height(), label, ha="center", va="bottom", fontsize=7)
+        bars = ax.bar([0, 1], [c.published, c.ours], color=["0.6", "C0"], width=0.6)
+        for bar, v in zip(bars, (c.published, c.ours)):
+            ax.text(
+                bar.get_x() + bar.get_width() / 2, bar.get_height(), f"{v:,.3g}", ha="center", va="bottom", fontsize=7
+            )
         ax.set_xticks([0, 1], ["published", "ours"], fontsize=8)
         ax.set_ylabel(c.unit, fontsize=8)
-        ax.set_ylim(0, max(v or 0 for v in values) * 1.25 or 1)
+        ax.set_ylim(0, max(c.published, c.ours) * 1.25 or 1)
         ax.set_title(textwrap.fill(c.quantity, 34), fontsize=8)
         ax.tick_params(axis="y", labelsize=7)
     if title:
@@ -97,14 +103,17 @@ def header(pr: int, summary: str) -> str:
 
 
 def box(pr: int, summary: str, claims: list[Claim], title: str = ""):
-    """Display the box: the header, the table and the side-by-side plot (what a notebook's first cell shows)."""
+    """Display the box: the header, the table and, where a claim has both figures, the side-by-side plot (what a
+    notebook's first cell shows)."""
     from IPython.display import HTML, display
 
     if pr not in PRS:
         raise ValueError(f"PR #{pr} is not one this workbench reproduces; known: {sorted(PRS)}")
     display(HTML(header(pr, summary)))
     display(HTML(table(claims).to_html(index=False)))  # the HTML writer does not cut long cells at 50 characters
-    display(plot(claims, title))
+    fig = plot(claims, title)
+    if fig is not None:
+        display(fig)
 
 
 def stored(name: str) -> dict | None:

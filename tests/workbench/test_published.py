@@ -20,10 +20,22 @@ def test_a_figure_we_cannot_measure_says_so():
     assert t["ours"][0] == "not measured here" and t["note"][0] == "needs two GPUs"
 
 
-def test_the_plot_has_one_panel_per_claim_with_a_figure():
+def test_the_plot_has_one_panel_per_claim_with_both_figures():
     fig = plot([Claim("a", "GiB", 1, 2, ""), Claim("b", "ms", None, 3, ""), Claim("c", "s", None, None, "")])
-    assert len(fig.axes) == 2
+    assert len(fig.axes) == 1
     assert [p.get_height() for p in fig.axes[0].patches] == [1, 2]
+
+
+def test_a_box_without_any_published_figure_draws_no_chart_of_empty_bars(monkeypatch):
+    import IPython.display
+
+    from miles.published import box
+
+    shown = []
+    monkeypatch.setattr(IPython.display, "display", lambda obj: shown.append(type(obj).__name__))
+    box(2692, "x", [Claim("a", "", None, 9, ""), Claim("b", "ms", None, 3, "")])
+    assert plot([Claim("a", "", None, 9, "")]) is None
+    assert shown == ["HTML", "HTML"]  # the header and the table
 
 
 def test_the_header_links_the_pr_and_an_unknown_pr_is_refused():
