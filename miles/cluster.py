@@ -156,6 +156,16 @@ def kill_process_trees(pids: list[int]) -> None:
     psutil.wait_procs(procs, timeout=5)
 
 
+def sample_source_factory(cfg: RunConfig):
+    """The sample source handed to the RolloutManager: environment episodes for env.name (miles.envs), else None (the
+    manager's own task, dataset or agent source)."""
+    if not cfg.env.name:
+        return None
+    from miles.envs.source import EnvSource
+
+    return EnvSource
+
+
 class Cluster(PlanExecutor):
     """with Cluster(cfg) as c: c.execute(plan.init, version=0); c.rollout.generate.remote(step); c.trainer.train(...)
 
@@ -206,7 +216,7 @@ class Cluster(PlanExecutor):
                 **({"enable_tensor_transport": True} if rdt else {}),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=0),
             )
-            .remote(cfg, self.device)
+            .remote(cfg, self.device, source_factory=sample_source_factory(cfg))
         )
         # the trainer's processes start meanwhile (Python and torch imports, ~6 s on 2 cores); they hold no model
         self.trainer = TrainGroup(cfg, self.pg, num_gpus_per_actor=0.45 * gpu, wait=False, env=env)

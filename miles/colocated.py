@@ -27,6 +27,7 @@ from miles.handoff import HandoffPlan, Step
 from miles.memory import LedgerEvent
 from miles.plan_executor import PlanExecutor
 from miles.policy.objective import resolved_trainer
+from miles.cluster import sample_source_factory
 from miles.rollout.manager import RolloutManager
 from miles.train.torch_backend import TorchBackend
 
@@ -56,7 +57,7 @@ class Colocated(PlanExecutor):
                 f"miles.cluster.Cluster for more ranks"
             )
         self.cfg, self.device = cfg, device
-        self.manager = self.rollout = RolloutManager(cfg, device)
+        self.manager = self.rollout = RolloutManager(cfg, device, source_factory=sample_source_factory(cfg))
         self.trainer = LocalTrainer(self)
         self.ledger = self.manager.ledger
         self.disk_dir = disk_dir

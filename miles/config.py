@@ -15,6 +15,7 @@ from typing import Literal
 from miles.config_check import check, require_finite
 from miles.config_overrides import apply_overrides, apply_values, build  # noqa: F401 (re-exported for callers)
 from miles.data.config import DataConfig, EvalConfig, check_run
+from miles.envs.config import EnvConfig
 from miles.model.config import ModelConfig
 from miles.policy.objective import check_objective, check_rollout, check_trainer
 from miles.trackers import LogConfig
@@ -314,6 +315,7 @@ class RunConfig:
     agents: AgentConfig = field(default_factory=AgentConfig)  # agentic rollouts (task.name = 'swe')
     data: DataConfig = field(default_factory=DataConfig)  # prompt datasets (data.train replaces `task`)
     eval: EvalConfig = field(default_factory=EvalConfig)  # held-out eval of data.eval
+    env: EnvConfig = field(default_factory=EnvConfig)  # multi-turn environments (tool use) driving the episodes
     log: LogConfig = field(default_factory=LogConfig)  # experiment trackers
 
     def __post_init__(self):
@@ -337,6 +339,11 @@ class RunConfig:
                 f"trainer.world_size = {self.trainer.world_size} ranks; make it a multiple"
             )
         check_run(self)  # data / eval across sections (miles.data.config)
+        if self.env.name and not self.data.train:
+            raise ValueError(
+                f"env.name = {self.env.name!r} needs task rows: set data.train (python -m miles.envs.calculator OUT_DIR "
+                "writes the calculator's train and test splits)"
+            )
         if self.trainer.backend == "megatron" and self.device == "cpu":
             raise ValueError("trainer.backend = 'megatron' needs a GPU; use device=cuda or trainer.backend=torch")
         check_objective(self)

@@ -50,11 +50,12 @@ class Episode:
     traj: Trajectory | None = None
     turn: int = 0
     rewards: list[float] = field(default_factory=list)
-    status: str = "running"  # running | done | max_turns | budget | truncated | failed | aborted
+    status: str = "running"  # running | done | max_turns | budget | failed | aborted
     error: str = ""
     error_kind: str = ""
     num_tool_calls: int = 0
     num_malformed: int = 0
+    num_truncated: int = 0  # turns cut at max_tokens_per_turn (closed by the template's end token, masked)
     info: dict = field(default_factory=dict)
     weight_version: int = 0
     pending: dict | None = None  # the parsed assistant message awaiting env.step
@@ -101,6 +102,7 @@ class Episode:
         """The engine's answer to this turn's request: its tokens join the trajectory, its text is parsed."""
         tok, fmt = self.renderer.tok, self.renderer.format
         self.weight_version, self.finish_reason = out.weight_version, out.finish_reason
+        self.num_truncated += out.finish_reason == "length"
         if out.finish_reason == "abort":
             self.status, self.error = "aborted", "the engine aborted this turn's request (a flush)"
             self.traj.zero_mask()
@@ -135,14 +137,14 @@ class Episode:
         self.turn += 1
         if step.done:
             return self._end("done")
-        if self.finish_reason == "length":
-            return self._end("truncated")
         if self.turn >= self.limits.max_turns:
             return self._end("max_turns")
         try:
             env_text = self.renderer.env_text(self.messages, step.messages, self.tools)
         except Exception as e:  # a template error is the template's, reported on the episode
             return self.fail(EnvError("garbage", f"rendering the environment's turn: {type(e).__name__}: {e}"))
+        if self.finish_reason == "length":  # the turn ran out of tokens: the template's end token closes it (masked)
+            env_text = self.renderer.rules.turn_end + env_text
         ids = self.renderer.tok.encode(env_text)
         if len(self.traj) + len(ids) >= self.limits.max_episode_tokens:
             return self._end("budget")
@@ -183,7 +185,7 @@ class Episode:
     # ---- the result ----------------------------------------------------------------------------------------
     @property
     def reward(self) -> float:
-        return sum(self.rewards) if self.status not in ("failed", "aborted") else 0.0
+        return float(sum(self.rewards)) if self.status not in ("failed", "aborted") else 0.0
 
     def to_sample(self) -> Sample:
         tok = self.renderer.tok
@@ -201,6 +203,7 @@ class Episode:
             "num_turns": self.turn,
             "num_tool_calls": self.num_tool_calls,
             "num_malformed": self.num_malformed,
+            "num_truncated": self.num_truncated,
             "turn_rewards": list(self.rewards),
             "passed": bool(self.info.get("passed", False)),
             "drift": self.drift.row() if self.drift else None,

@@ -29,7 +29,7 @@ from miles.rollout.engine import GenerateOutput, SamplingParams
 from miles.samples import Sample
 
 log = logging.getLogger("miles")
-STATUSES = ("done", "max_turns", "budget", "truncated", "failed", "aborted")
+STATUSES = ("done", "max_turns", "budget", "failed", "aborted")
 ERRORS = ("raised", "timeout", "garbage")
 
 
@@ -167,6 +167,7 @@ def episode_metrics(episodes: list[Episode]) -> dict[str, float]:
         "env/turns": sum(ep.turn for ep in episodes) / n,
         "env/tool_calls": sum(ep.num_tool_calls for ep in episodes) / n,
         "env/malformed_tool_calls": sum(ep.num_malformed for ep in episodes) / n,
+        "env/truncated_turns": sum(ep.num_truncated for ep in episodes) / n,
         "env/episode_tokens": sum(len(ep.traj) if ep.traj else 0 for ep in episodes) / n,
         "env/model_tokens": sum(sum(ep.traj.mask) if ep.traj else 0 for ep in episodes) / n,
         "env/drift_checked": len(checked),

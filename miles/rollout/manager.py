@@ -40,7 +40,9 @@ class RolloutManager(UpdateCalls):
     """
 
     @init_on_compute_thread("rollout-compute")  # built and run on one thread: see miles/threads.py
-    def __init__(self, cfg: RunConfig, device: str = "cpu"):
+    def __init__(self, cfg: RunConfig, device: str = "cpu", source_factory=None):
+        """``source_factory(cfg, tokenizer, engines)`` makes the sample source when given (miles.cluster hands in
+        miles.envs.source.EnvSource for env.name); without it, the task, dataset or agent source as configured."""
         heartbeat.name("rollout")  # under the stall watchdog: its stack file is rollout-<pid>.txt
         self.cfg = cfg
         if cfg.num_threads:
@@ -75,10 +77,17 @@ class RolloutManager(UpdateCalls):
             AgentSource(cfg, self.engines, self.tokenizer) if cfg.task.name == "swe" else self.tasks
         )
         self.data = None  # a prompt dataset replaces the task when data.train is set (miles.data.source)
-        if cfg.data.train:
+        if cfg.data.train and source_factory is None:
             from miles.data.source import DatasetSource
 
             self.data = self.source = DatasetSource(cfg, self.tokenizer, self.engines, self.rewards)
+        if source_factory is not None:  # it takes data.train's rows itself; SFT demonstrations and eval come from it
+            self.data = self.source = source_factory(cfg, self.tokenizer, self.engines)
+        elif cfg.env.name:
+            raise ValueError(
+                f"env.name = {cfg.env.name!r} needs the environment sample source: RolloutManager(cfg, "
+                "source_factory=miles.envs.source.EnvSource) (miles.cluster.Cluster and miles.colocated.Colocated pass it)"
+            )
         self.rewards.start(calls_to_start(cfg))  # the workers load the reward while the run starts up
         self.evaluator = None  # built on the first eval (miles.data.eval)
         self.last_samples: list[Sample] = []
@@ -115,6 +124,8 @@ class RolloutManager(UpdateCalls):
     @on_compute_thread
     def evaluate(self, step: int) -> dict[str, float]:
         """Held-out eval of data.eval with the engines' current weights (miles.data.eval)."""
+        if callable(getattr(self.source, "evaluate", None)):  # a source with its own eval (environment episodes)
+            return self.source.evaluate(step)
         if self.evaluator is None:
             from miles.data.eval import Evaluator
 
@@ -160,12 +171,13 @@ class RolloutManager(UpdateCalls):
                     "tokens": s.tokens,
                     "token_text": tok.token_text(s.tokens),
                     "prompt_len": P,
-                    "loss_mask": [0] * P + [1] * len(s.response_ids),
+                    "loss_mask": [0] * P + list(s.metadata.get("loss_mask") or [1] * len(s.response_ids)),
                     "rollout_log_probs": [0.0] * P + list(s.rollout_log_probs),
                     "train_log_probs": (train_log_probs or {}).get(s.index),
                     "advantages": [0.0] * P + [s.advantage] * len(s.response_ids),
                     "weight_version": s.weight_version,
                     "finish_reason": s.finish_reason,
+                    **_episode_fields(s.metadata),
                 }
             )
         return rows
@@ -282,6 +294,17 @@ def write_data_state(directory: str, state: dict | None) -> None:
         from miles.atomic import atomic_write_text
 
         atomic_write_text(f"{directory}/data_state.json", json.dumps(state))
+
+
+def _episode_fields(meta: dict) -> dict:
+    """A multi-turn sample's turn and tool spans and episode figures, for the dump (miles.dashboard.store)."""
+    keys = ("status", "num_turns", "num_tool_calls", "num_malformed", "error")
+    out = {k: meta[k] for k in keys if k in meta}
+    if meta.get("spans"):
+        out["spans"] = meta["spans"]
+    if meta.get("drift"):
+        out |= {"drift_kind": meta["drift"]["kind"], "drift_tokens": meta["drift"]["num_tokens"]}
+    return out
 
 
 def spawn_http_engines(cfg, device: str, ledger=None) -> list:
