@@ -273,12 +273,64 @@ def agent_swe() -> RunConfig:
     return RunConfig.from_dict(d)
 
 
+def quickstart_tools() -> RunConfig:
+    """Tool use on CPU: a ~1M-parameter Qwen2-style decoder learns to call a calculator for products of two 2-digit
+    numbers, which it cannot compute itself, through the calculator environment with SmolLM2's chat template over a
+    small BPE (miles.envs.toy_tokenizer: a call is ~12 tokens). A supervised warm-up on the environment's
+    demonstrations teaches the call format; RL then raises the share of episodes whose call copies the expression
+    and whose answer copies the result (notebooks/14_tools.ipynb). Held-out: the calculator's level-0 test split."""
+    from miles.envs import calculator
+    from miles.envs.toy_tokenizer import toy_tokenizer_dir
+
+    tokenizer = toy_tokenizer_dir()
+    train, test = calculator.splits(4000, n_test=64, levels=(0,))
+    d = quickstart().to_dict()
+    d.update(recipe="quickstart_tools", run_dir="runs/quickstart_tools", num_steps=30, checkpoint_every=0)
+    d["model"].update(tokenizer=f"hf:{tokenizer}", vocab_size=1024, max_position_embeddings=256)
+    d["rollout"].update(num_prompts_per_step=16, n_samples_per_prompt=4, max_new_tokens=24, max_seq_len=256, max_batch_size=128)
+    d["trainer"].update(lr=1e-3, warmup_sft_steps=40, warmup_sft_lr=3e-3, num_minibatches=1, entropy_coef=0.0)
+    d["env"].update(name="calculator", args='{"describe": false}', max_turns=3)
+    d["data"].update(train=train, eval=test, reward="math")
+    d["eval"].update(every=10, k=2, temperature=1.0, max_problems=32)
+    return RunConfig.from_dict(d)
+
+
+def smollm2_tools() -> RunConfig:
+    """SmolLM2-135M-Instruct learns to use a calculator on held-out multi-step arithmetic (miles.envs.calculator, levels
+    1-3: a*b+c, a*b+c*d, (a+b)*c-d*e with 2-3 digit numbers): the calculator environment with Hermes <tool_call> JSON
+    (SmolLM2's template ignores tools=, so the tools are listed in a system message), GRPO on the episodes' final
+    rewards, the calculator's held-out test split evaluated every 5 steps (greedy pass@1, mean@4, tool calls per
+    episode). The baseline is the same run without the tool: --set env.args='{"tools": false}' (same budget and
+    seeds); `miles bench real-model --recipe smollm2_tools --minutes N` runs either on one H200."""
+    from miles.envs import calculator
+    from miles.model.checkpoint import config_from_checkpoint
+
+    path = smollm2_gguf_path()
+    model = config_from_checkpoint(path, tokenizer=f"hf:{path}", max_position_embeddings=1024)
+    train, test = calculator.splits(20000)
+    d = quickstart().to_dict()
+    d.update(recipe="smollm2_tools", run_dir="runs/smollm2_tools", num_steps=200, checkpoint_every=0, device="auto")
+    d["model"] = model.as_dict()
+    d["rollout"].update(
+        num_prompts_per_step=32, n_samples_per_prompt=8, max_new_tokens=64, temperature=1.0, max_seq_len=1024, max_batch_size=512
+    )
+    d["trainer"].update(lr=1e-5, warmup_sft_steps=20, warmup_sft_lr=1e-5, num_minibatches=2, entropy_coef=0.0)
+    d["env"].update(name="calculator", max_turns=4, max_tokens_per_turn=64)
+    d["data"].update(train=train, eval=test, reward="math")
+    d["eval"].update(every=5, k=4, temperature=0.7, max_problems=128)
+    d["handoff"].update(offload_train="none", offload_rollout=False)
+    d["dump_rollouts"] = True
+    return RunConfig.from_dict(d)
+
+
 RECIPES = {
     "quickstart": quickstart,
     "trl_parity": trl_parity,
     "h200_100m": h200_100m,
     "smollm2": smollm2,
     "smollm2_math": smollm2_math,
+    "smollm2_tools": smollm2_tools,
+    "quickstart_tools": quickstart_tools,
     "gb300_dsv4_flash_plan": gb300_dsv4_flash_plan,
     "gb300_kimi_k2_plan": gb300_kimi_k2_plan,
     "gb300_qwen3_235b_plan": gb300_qwen3_235b_plan,

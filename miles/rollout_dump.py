@@ -59,7 +59,9 @@ PER_SAMPLE_KEYS = {
     "token_text_bytes",
     "text",
     "preview",
+    "spans",
 }
+SPAN_KINDS = ("prompt", "model", "env", "tool_call", "tool_result")
 
 
 def _is_scalar(value) -> bool:
@@ -176,6 +178,8 @@ class RolloutDumpWriter:
         meta = {
             k: json_safe(v) for k, v in sample.items() if k in META_KEYS or (k not in PER_SAMPLE_KEYS and _is_scalar(v))
         }
+        if sample.get("spans"):
+            meta["spans"] = _spans(sample["spans"], n, row)
         meta.update(
             row=row,
             num_tokens=n,
@@ -190,6 +194,27 @@ class RolloutDumpWriter:
         pos["token"] += n
         pos["token_text"] += len(token_text)
         return meta
+
+
+def _spans(spans, n: int, row: int) -> list[dict]:
+    """A multi-turn sample's turn and tool spans (miles.envs.trajectory.Span rows), checked against its length."""
+    out = []
+    for s in spans:
+        start, end, kind = int(s["start"]), int(s["end"]), str(s["kind"])
+        if not 0 <= start <= end <= n or kind not in SPAN_KINDS:
+            raise ValueError(
+                f"sample {row}: span {s} must have 0 <= start <= end <= {n} (its tokens) and a kind in {SPAN_KINDS}"
+            )
+        out.append(
+            {
+                "start": start,
+                "end": end,
+                "kind": kind,
+                "turn": int(s.get("turn", -1)),
+                "label": str(s.get("label", ""))[:80],
+            }
+        )
+    return out
 
 
 def json_safe(value):

@@ -32,6 +32,9 @@ PROCS = {  # test files that start Ray, child processes, process groups or HTTP 
     "data/test_dataset_source.py",  # its math verifier's sympy checks start reward workers
     "dashboard/test_dashboard_api.py",
     "dashboard/test_dashboard_guard.py",
+    "envs/test_env_http_engine.py",
+    "envs/test_env_source.py",
+    "envs/test_python_tool.py",
     "model/test_smollm2.py",
     "model/test_train_a_checkpoint.py",
     "optim/test_optim_offload_disk.py",
@@ -69,6 +72,7 @@ PROCS = {  # test files that start Ray, child processes, process groups or HTTP 
 BROWSER = {
     "dashboard/test_dashboard_browser.py",
     "dashboard/test_dashboard_long_run.py",
+    "dashboard/test_dashboard_turns.py",
     "dashboard/test_dashboard_workbench.py",
 }
 TESTS = os.path.dirname(os.path.abspath(__file__))

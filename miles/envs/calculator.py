@@ -40,6 +40,11 @@ TOOL = {
         },
     },
 }
+# the same tool without descriptions: a shorter prompt for CPU-sized runs (CalculatorEnv(describe=False))
+TOOL_SHORT = {
+    "type": "function",
+    "function": {"name": "calculate", "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}}},
+}
 ASK = "Give the final answer as a number."
 OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
 MAX_EXPRESSION = 200  # characters
@@ -85,13 +90,13 @@ def _value(node) -> Fraction:
 class CalculatorEnv:
     """See the module docstring. One instance per episode."""
 
-    def __init__(self, tools: bool = True, max_calls: int = 4):
-        self.tools, self.max_calls = tools, max_calls
+    def __init__(self, tools: bool = True, max_calls: int = 4, describe: bool = True):
+        self.tools, self.max_calls, self.schema = tools, max_calls, TOOL if describe else TOOL_SHORT
         self.answer, self.calls = "", 0
 
     def reset(self, row: dict) -> tuple[list[dict], list[dict]]:
         self.answer, self.calls = str(row["answer"]).strip(), 0
-        return [{"role": "user", "content": row["prompt"]}], [TOOL] if self.tools else []
+        return [{"role": "user", "content": row["prompt"]}], [self.schema] if self.tools else []
 
     def step(self, message: dict) -> tuple[list[dict], float, bool, dict]:
         calls = message.get("tool_calls") or []
@@ -142,16 +147,18 @@ def _same_number(a: str, b: str) -> bool:
 
 # ---- problems --------------------------------------------------------------------------------------------------
 def problem(rng: random.Random, level: int) -> dict:
-    """Level 1: a * b + c; level 2: a * b + c * d; level 3: (a + b) * c - d * e (2-3 digit numbers)."""
+    """Level 0: a * b; level 1: a * b + c; level 2: a * b + c * d; level 3: (a + b) * c - d * e (2-3 digit numbers)."""
     n = lambda lo, hi: rng.randint(lo, hi)  # noqa: E731
-    if level == 1:
+    if level == 0:
+        expression = f"{n(11, 99)} * {n(11, 99)}"
+    elif level == 1:
         expression = f"{n(11, 99)} * {n(11, 99)} + {n(100, 999)}"
     elif level == 2:
         expression = f"{n(11, 99)} * {n(11, 99)} + {n(11, 99)} * {n(11, 99)}"
     elif level == 3:
         expression = f"({n(100, 999)} + {n(100, 999)}) * {n(11, 99)} - {n(11, 99)} * {n(11, 99)}"
     else:
-        raise ValueError(f"level = {level}; the calculator problems have levels 1, 2 and 3")
+        raise ValueError(f"level = {level}; the calculator problems have levels 0, 1, 2 and 3")
     prompt = f"What is {expression}? {ASK}"
     return {"prompt": prompt, "answer": calculate(expression), "metadata": {"expression": expression, "level": level}}
 
@@ -167,19 +174,22 @@ def rows(n: int, *, seed: int, levels=(1, 2, 3), exclude: set[str] = frozenset()
     raise ValueError(f"cannot make {n} calculator rows at levels {levels} outside the {len(exclude)} excluded")
 
 
-def splits(n_train: int, *, seed: int = 1, n_test: int = 128, out_dir: str | os.PathLike | None = None) -> tuple[str, str]:
+def splits(
+    n_train: int, *, seed: int = 1, n_test: int = 128, levels=(1, 2, 3), out_dir: str | os.PathLike | None = None
+) -> tuple[str, str]:
     """(train, test) jsonl paths: a fixed held-out test split (seed 0) and ``n_train`` train rows (``seed``) none of
-    whose prompts is in it; written once under the miles cache (or ``out_dir``)."""
+    whose prompts is in it, both at ``levels``; written once under the miles cache (or ``out_dir``)."""
     from miles.data.generate import write_jsonl
 
     root = Path(out_dir or os.environ.get("MILES_CACHE_DIR", Path.home() / ".cache" / "miles")) / "data"
-    test = root / f"calc_test_n{n_test}.jsonl"
-    train = root / f"calc_train_n{n_train}_seed{seed}_excl{n_test}.jsonl"
-    held_out = rows(n_test, seed=0)
+    tag = "l" + "".join(map(str, levels))
+    test = root / f"calc_test_{tag}_n{n_test}.jsonl"
+    train = root / f"calc_train_{tag}_n{n_train}_seed{seed}_excl{n_test}.jsonl"
+    held_out = rows(n_test, seed=0, levels=levels)
     if not test.exists():
         write_jsonl(held_out, test)
     if not train.exists():
-        write_jsonl(rows(n_train, seed=seed, exclude={r["prompt"] for r in held_out}), train)
+        write_jsonl(rows(n_train, seed=seed, levels=levels, exclude={r["prompt"] for r in held_out}), train)
     return str(train), str(test)
 
 

@@ -203,3 +203,14 @@ def test_the_synthetic_runs_memory_metrics_are_the_peaks_of_its_own_ledger(tmp_p
                 want[e["step"]] = max(start, want[e["step"]], held)
         assert {r["step"]: r[f"mem/{pool}_peak"] for r in rows} == want, pool
     assert rows[0]["mem/device_peak"] == 8 << 30 and rows[0]["mem/host_peak"] == 6 << 30
+
+
+def test_a_multi_turn_samples_spans_are_kept_and_checked_against_its_length(tmp_path):
+    row = {"index": 0, "group": 0, "reward": 1.0, "tokens": list(range(10)), "prompt_len": 4,
+           "spans": [{"start": 0, "end": 4, "kind": "prompt", "turn": -1}, {"start": 4, "end": 7, "kind": "model", "turn": 0},
+                     {"start": 5, "end": 6, "kind": "tool_call", "turn": 0, "label": "calculate"}]}  # fmt: skip
+    RolloutDumpWriter(tmp_path).write_step(0, [row])
+    spans = RunDirReader(tmp_path).sample_meta(0, 0)["spans"]
+    assert [s["kind"] for s in spans] == ["prompt", "model", "tool_call"] and spans[2]["label"] == "calculate"
+    with pytest.raises(ValueError, match=r"span .* must have 0 <= start <= end <= 10"):
+        RolloutDumpWriter(tmp_path).write_step(1, [{**row, "spans": [{"start": 8, "end": 12, "kind": "env"}]}])

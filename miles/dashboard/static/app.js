@@ -268,12 +268,41 @@ class Dashboard {
     if (row >= 0 && row < this.data.header.step_num_samples) location.hash = `#sample/${this.data.header.step}/${row}`;
   }
 
+  // A multi-turn sample's turns as buttons (click: scroll the strip there), with the tool calls each model turn made.
+  showTurns(data) {
+    const el = $("turns");
+    const spans = data.sample.spans ?? [];
+    const turns = spans.filter((s) => s.kind === "model" || s.kind === "env");
+    el.hidden = !turns.length;
+    el.textContent = "";
+    if (!turns.length) return;
+    for (const t of turns) {
+      const calls = spans.filter((s) => s.kind === "tool_call" && s.start >= t.start && s.end <= t.end).map((s) => s.label);
+      const results = spans.filter((s) => s.kind === "tool_result" && s.start >= t.start && s.end <= t.end).length;
+      const b = document.createElement("button");
+      b.className = t.kind;
+      b.dataset.start = String(t.start);
+      b.textContent = `${t.kind === "model" ? "model" : "env"} ${t.turn}` +
+        (calls.length ? ` · call ${calls.join(", ")}` : "") + (results ? ` · ${results} result${results > 1 ? "s" : ""}` : "") +
+        ` · ${t.end - t.start} tok`;
+      b.onclick = () => this.strip.scrollToToken(t.start);
+      el.appendChild(b);
+    }
+    const key = document.createElement("span");
+    key.className = "key muted";
+    key.innerHTML = `<i style="color:#18181b"></i>turn start<i style="color:#16a34a"></i>tool call<i style="color:#ea580c"></i>tool result · faded: loss mask 0`;
+    el.appendChild(key);
+  }
+
   tokenStats(i) {
     const d = this.data;
     const f = (v) => (Number.isFinite(v) ? v.toFixed(4) : "–");
     const text = JSON.stringify(d.text.slice(d.textStart[i], d.textStart[i + 1]));
     const prompt = i < d.promptLen;  // a prompt token was not sampled: it has no rollout log-prob to compare with
-    const where = prompt ? "prompt" : `response #${i - d.promptLen}`;
+    const p = d.parts;
+    const part = p.bits[i] & 2 ? " · tool call" : p.bits[i] & 4 ? " · tool result" : "";
+    const turn = p.any && !prompt ? `, ${p.kind[i] || "?"} turn ${p.turn[i]}${part}` : "";
+    const where = (prompt ? "prompt" : `response #${i - d.promptLen}`) + turn;
     return [`token ${i} (${where})  id ${d.tokens[i]}  ${text}`,
       `loss mask      ${d.mask[i]}`,
       `rollout logp   ${prompt ? "– (prompt token: not sampled)" : f(d.stats.rollout_log_probs[i])}`,
@@ -329,6 +358,7 @@ class Dashboard {
     $("response-text").textContent = s.response_text;
     this.strip.stat = $("color-by").value;
     this.strip.build(data);
+    this.showTurns(data);
     this.updateLegend();
     const extras = Object.entries(s).filter(([k, v]) => !SAMPLE_FIELDS.has(k) && v !== null && typeof v !== "object")
       .map(([k, v]) => `${k}: ${String(v).slice(0, 60)}`);

@@ -48,10 +48,32 @@ export function parseSample(buffer) {
   for (let i = 0; i < n; i++) diff[i] = i < promptLen ? NaN : cols.train_log_probs[i] - cols.rollout_log_probs[i];
   return {
     header, sample: header.sample, n, promptLen, text: cols.token_text, textStart,
-    tokens: cols.tokens, mask: cols.loss_mask,
+    tokens: cols.tokens, mask: cols.loss_mask, parts: tokenParts(header.sample.spans, n),
     stats: { diff, advantages: cols.advantages, entropy: cols.entropy, rollout_log_probs: cols.rollout_log_probs,
              train_log_probs: cols.train_log_probs },
   };
+}
+
+// A multi-turn sample's spans as one byte per token, computed once per sample: bit 0 a turn starts here (a model
+// or an environment turn), bit 1 inside a tool call the model wrote, bit 2 inside a tool result; the turn of each
+// token for the tooltip. The strip turns the bits into classes that draw no background (the stat colours keep it).
+export const PART = { turnStart: 1, toolCall: 2, toolResult: 4 };
+export function tokenParts(spans, n) {
+  const bits = new Uint8Array(n);
+  const turn = new Int16Array(n).fill(-1);
+  const kind = new Array(n).fill("");
+  for (const s of spans ?? []) {
+    const a = Math.max(0, s.start);
+    const b = Math.min(n, s.end);
+    if (s.kind === "model" || s.kind === "env") {
+      if (a < b) bits[a] |= PART.turnStart;
+      for (let i = a; i < b; i++) { turn[i] = s.turn; kind[i] = s.kind; }
+    } else if (s.kind === "tool_call" || s.kind === "tool_result") {
+      const bit = s.kind === "tool_call" ? PART.toolCall : PART.toolResult;
+      for (let i = a; i < b; i++) bits[i] |= bit;
+    }
+  }
+  return { bits, turn, kind, any: (spans ?? []).some((s) => s.kind !== "prompt") };
 }
 
 // A colour per token for one stat: diverging blue-white-red around 0, or sequential white-purple from 0;
@@ -218,7 +240,11 @@ export class TokenStrip {
   _className(i, promptLen, mask) {
     if (i < promptLen) return "p";
     const c = this.color(i);
-    return mask[i] ? c : c ? `m ${c}` : "m";
+    const base = mask[i] ? c : c ? `m ${c}` : "m";
+    const bits = this.data.parts?.bits[i] ?? 0;
+    if (!bits) return base;
+    const extra = (bits & PART.turnStart ? " ts" : "") + (bits & PART.toolCall ? " tc" : "") + (bits & PART.toolResult ? " tr" : "");
+    return (base + extra).trim();
   }
 
   // Repaint backgrounds only: the spans, their layout and the scroll position stay as they are.
