@@ -6,6 +6,8 @@ greedy pass@1 per dataset and overall), the RL rows' reward and throughput, and 
 the first eval (the measured start) to the last.
 
     miles bench real-model --minutes 7 --set eval.every=5
+    miles bench real-model --recipe smollm2_tools --minutes 8                                  # tool use
+    miles bench real-model --recipe smollm2_tools --minutes 8 --set 'env.args={"tools": false}'  # its baseline
 """
 
 from __future__ import annotations
@@ -53,8 +55,16 @@ def run(argv: list[str]) -> dict:
         "eval_k": cfg.eval.k,
         "eval": evals,
         "gain": _gain(evals),
-        "train": [{k: r.get(k) for k in ("step", "reward", "response_len", "tokens_per_s", "time/step")} for r in rows],
+        "train": [{k: r[k] for k in TRAIN_KEYS if k in r} for r in rows],
     }
+
+
+# per RL step: reward, lengths, speed, and for environment runs (recipe smollm2_tools) tool calls per episode, turns,
+# pass rate, errors and token drift
+TRAIN_KEYS = (
+    "step", "reward", "response_len", "tokens_per_s", "time/step", "env/tool_calls", "env/turns", "env/pass_rate",
+    "env/malformed_tool_calls", "env/episodes_failed", "env/drift_episodes", "env/episode_tokens",
+)  # fmt: skip
 
 
 def _gain(evals: list[dict]) -> dict:

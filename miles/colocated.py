@@ -22,12 +22,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from miles.cluster import sample_source_factory
 from miles.config import RunConfig
 from miles.handoff import HandoffPlan, Step
 from miles.memory import LedgerEvent
 from miles.plan_executor import PlanExecutor
 from miles.policy.objective import resolved_trainer
-from miles.cluster import sample_source_factory
 from miles.rollout.manager import RolloutManager
 from miles.train.torch_backend import TorchBackend
 

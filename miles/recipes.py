@@ -287,7 +287,9 @@ def quickstart_tools() -> RunConfig:
     d = quickstart().to_dict()
     d.update(recipe="quickstart_tools", run_dir="runs/quickstart_tools", num_steps=30, checkpoint_every=0)
     d["model"].update(tokenizer=f"hf:{tokenizer}", vocab_size=1024, max_position_embeddings=256)
-    d["rollout"].update(num_prompts_per_step=16, n_samples_per_prompt=4, max_new_tokens=24, max_seq_len=256, max_batch_size=128)
+    d["rollout"].update(
+        num_prompts_per_step=16, n_samples_per_prompt=4, max_new_tokens=24, max_seq_len=256, max_batch_size=128
+    )
     d["trainer"].update(lr=1e-3, warmup_sft_steps=40, warmup_sft_lr=3e-3, num_minibatches=1, entropy_coef=0.0)
     d["env"].update(name="calculator", args='{"describe": false}', max_turns=3)
     d["data"].update(train=train, eval=test, reward="math")
@@ -312,7 +314,12 @@ def smollm2_tools() -> RunConfig:
     d.update(recipe="smollm2_tools", run_dir="runs/smollm2_tools", num_steps=200, checkpoint_every=0, device="auto")
     d["model"] = model.as_dict()
     d["rollout"].update(
-        num_prompts_per_step=32, n_samples_per_prompt=8, max_new_tokens=64, temperature=1.0, max_seq_len=1024, max_batch_size=512
+        num_prompts_per_step=32,
+        n_samples_per_prompt=8,
+        max_new_tokens=64,
+        temperature=1.0,
+        max_seq_len=1024,
+        max_batch_size=512,
     )
     d["trainer"].update(lr=1e-5, warmup_sft_steps=20, warmup_sft_lr=1e-5, num_minibatches=2, entropy_coef=0.0)
     d["env"].update(name="calculator", max_turns=4, max_tokens_per_turn=64)

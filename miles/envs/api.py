@@ -95,7 +95,9 @@ def check_step(out: Any, name: str) -> StepResult:
     if isinstance(out, StepResult):
         out = (out.messages, out.reward, out.done, out.info)
     if not (isinstance(out, tuple | list) and len(out) == 4):
-        raise EnvError("garbage", f"{name}.step returned {str(out)[:80]!r}; it must return (messages, reward, done, info)")
+        raise EnvError(
+            "garbage", f"{name}.step returned {str(out)[:80]!r}; it must return (messages, reward, done, info)"
+        )
     messages, reward, done, info = out
     messages = check_messages(messages, f"{name}.step", ENV_ROLES)
     if isinstance(reward, bool) or not isinstance(reward, int | float) or not math.isfinite(reward):

@@ -43,7 +43,10 @@ TOOL = {
 # the same tool without descriptions: a shorter prompt for CPU-sized runs (CalculatorEnv(describe=False))
 TOOL_SHORT = {
     "type": "function",
-    "function": {"name": "calculate", "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}}},
+    "function": {
+        "name": "calculate",
+        "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}},
+    },
 }
 ASK = "Give the final answer as a number."
 OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}

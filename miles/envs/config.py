@@ -45,7 +45,9 @@ class EnvConfig:
         try:
             value = json.loads(text)
         except json.JSONDecodeError as e:
-            raise ValueError(f"env.{field} = {text!r} is not JSON ({e.msg}); give an object like '{{\"k\": 1}}'") from None
+            raise ValueError(
+                f"env.{field} = {text!r} is not JSON ({e.msg}); give an object like '{{\"k\": 1}}'"
+            ) from None
         if not isinstance(value, dict):
             raise ValueError(f"env.{field} = {text!r} must be a JSON object of keyword arguments, e.g. '{{\"k\": 1}}'")
         return value

@@ -245,7 +245,9 @@ def bounded_all(calls: list, timeout_s: float, name: str = "env", what: str = "s
         except BaseException as e:  # noqa: BLE001 (any failure of user code fails that episode only)
             box["error"] = e
 
-    threads = [threading.Thread(target=run, args=(fn, box), name=f"env-{what}", daemon=True) for fn, box in zip(calls, boxes)]
+    threads = [
+        threading.Thread(target=run, args=(fn, box), name=f"env-{what}", daemon=True) for fn, box in zip(calls, boxes)
+    ]
     deadline = time.monotonic() + timeout_s
     for t in threads:
         t.start()

@@ -35,9 +35,18 @@ def _openenv():
 class OpenEnvAdapter:
     """One OpenEnv environment instance (in this process, or a session with a server) per episode."""
 
-    def __init__(self, env: str = "", url: str = "", final_tool: str = "", answer_arg: str = "answer", env_args: dict | None = None):
+    def __init__(
+        self,
+        env: str = "",
+        url: str = "",
+        final_tool: str = "",
+        answer_arg: str = "answer",
+        env_args: dict | None = None,
+    ):
         if bool(env) == bool(url):
-            raise ValueError("env.args for openenv: give one of 'env' ('module:Class' of an OpenEnv Environment) or 'url'")
+            raise ValueError(
+                "env.args for openenv: give one of 'env' ('module:Class' of an OpenEnv Environment) or 'url'"
+            )
         self.final_tool, self.answer_arg = final_tool, answer_arg
         self.CallToolAction, self.ListToolsAction = _openenv()
         if env:
@@ -55,7 +64,14 @@ class OpenEnvAdapter:
         self._act("reset", **((row.get("metadata") or {}).get("reset") or {}))
         listed = self._act("step", self.ListToolsAction())
         tools = [
-            {"type": "function", "function": {"name": t["name"], "description": t.get("description", ""), "parameters": t.get("input_schema") or {}}}
+            {
+                "type": "function",
+                "function": {
+                    "name": t["name"],
+                    "description": t.get("description", ""),
+                    "parameters": t.get("input_schema") or {},
+                },
+            }
             for t in listed.get("tools", [])
         ]
         return row.get("messages") or [{"role": "user", "content": row["prompt"]}], tools
@@ -65,7 +81,12 @@ class OpenEnvAdapter:
         if not calls:
             if not self.final_tool:
                 return [], 0.0, True, {}
-            obs = self._act("step", self.CallToolAction(tool_name=self.final_tool, arguments={self.answer_arg: message.get("content") or ""}))
+            obs = self._act(
+                "step",
+                self.CallToolAction(
+                    tool_name=self.final_tool, arguments={self.answer_arg: message.get("content") or ""}
+                ),
+            )
             reward = float(obs.get("reward") or 0.0)
             return [], reward, True, {"passed": reward >= 1.0, "observation": _text(obs)[:200]}
         out, reward, done = [], 0.0, False

@@ -163,7 +163,12 @@ class PythonEnv:
             if self.calls >= self.max_calls:
                 return [], 0.0, True, {"passed": False, "tool_calls": self.calls}
             self.calls += len(calls)
-            return [self._run(c) for c in calls], 0.0, False, {"tool_calls": self.calls, "network_isolated": NETWORK_ISOLATED}
+            return (
+                [self._run(c) for c in calls],
+                0.0,
+                False,
+                {"tool_calls": self.calls, "network_isolated": NETWORK_ISOLATED},
+            )
         found = NUMBER.findall(message.get("content") or "")
         passed = bool(found) and _same_number(found[-1], self.answer)
         return [], float(passed), True, {"passed": passed, "tool_calls": self.calls}

@@ -1,8 +1,8 @@
 """Environments by name: the built-in ones, or any class given as ``module:Class`` (env.name in the run config).
 
-    cls = env_class("calculator")                  # miles.envs.calculator.CalculatorEnv
-    cls = env_class("my_pkg.envs:Wordle")           # imported from the user's module
-    env = make_env(cls, {"tools": False})           # one instance per episode
+cls = env_class("calculator")                  # miles.envs.calculator.CalculatorEnv
+cls = env_class("my_pkg.envs:Wordle")           # imported from the user's module
+env = make_env(cls, {"tools": False})           # one instance per episode
 """
 
 from __future__ import annotations
@@ -39,7 +39,9 @@ def env_class(name: str) -> type:
         raise ValueError(f"env.name = {name!r}: module {module!r} has no {attr!r}") from None
     missing = [m for m in ("reset", "step") if not callable(getattr(cls, m, None))]
     if missing:
-        raise ValueError(f"env.name = {name!r}: {cls.__name__} has no {' or '.join(missing)} method (miles.envs.api.Env)")
+        raise ValueError(
+            f"env.name = {name!r}: {cls.__name__} has no {' or '.join(missing)} method (miles.envs.api.Env)"
+        )
     return cls
 
 

@@ -60,7 +60,10 @@ class Renderer:
         name = detect_format(self.template) if tool_format == "auto" else tool_format
         self.format: ToolFormat = _tool_format(name)
         self.rules = self._probe()
-        self.stop_texts = {self.rules.turn_end, *(tokenizer.decode([i], skip_special_tokens=False) for i in tokenizer.stop_token_ids)}
+        self.stop_texts = {
+            self.rules.turn_end,
+            *(tokenizer.decode([i], skip_special_tokens=False) for i in tokenizer.stop_token_ids),
+        }
 
     @property
     def family(self) -> str:

@@ -34,7 +34,9 @@ class EpisodeRunner:
             self._episodes, self._flushed = list(episodes), False
         t_gen = t_env = 0.0
         t0 = time.perf_counter()
-        for ep, result in zip(episodes, bounded_all([ep.reset_call() for ep in episodes], self.step_timeout_s, what="reset")):
+        for ep, result in zip(
+            episodes, bounded_all([ep.reset_call() for ep in episodes], self.step_timeout_s, what="reset")
+        ):
             ep.opened(result)
         t_env += time.perf_counter() - t0
         for turn in range(10**6):  # bounded by env.max_turns and the token budget

@@ -71,7 +71,9 @@ class EnvSource:
         for g, row in enumerate(rows):
             for _ in range(repeat):
                 env = make_env(self.cls, self.kwargs)
-                out.append(Episode(env, _row(row), self.renderer, self.limits, index=len(out), group=g, name=self.cls.__name__))
+                out.append(
+                    Episode(env, _row(row), self.renderer, self.limits, index=len(out), group=g, name=self.cls.__name__)
+                )
         return out
 
     # ---- SampleSource ----------------------------------------------------------------------------------------
@@ -79,11 +81,15 @@ class EnvSource:
         r = self.cfg.rollout
         episodes = self.episodes(self.dataset.take(r.num_prompts_per_step), r.n_samples_per_prompt)
         t0 = time.perf_counter()
-        times = self.runner.run(episodes, self.sampling(r.temperature), seed=self.cfg.seed * 100_003 + step, tag=f"s{step}")
+        times = self.runner.run(
+            episodes, self.sampling(r.temperature), seed=self.cfg.seed * 100_003 + step, tag=f"s{step}"
+        )
         metrics = episode_metrics(episodes) | times | {"time/env_rollout": time.perf_counter() - t0}
         failed = [ep for ep in episodes if ep.status == "failed"]
         if failed:
-            log.warning("RL step %d: %d of %d episodes failed, e.g. %s", step, len(failed), len(episodes), failed[0].error)
+            log.warning(
+                "RL step %d: %d of %d episodes failed, e.g. %s", step, len(failed), len(episodes), failed[0].error
+            )
         return [ep.to_sample() for ep in episodes], metrics
 
     def score(self, samples: list[Sample]) -> None:
@@ -110,7 +116,9 @@ class EnvSource:
             )
         r = self.cfg.rollout
         rng = random.Random(f"sft/{self.cfg.seed}/{step}")
-        episodes = self.episodes(rng.sample(self.rows, k=min(len(self.rows), r.num_prompts_per_step * r.n_samples_per_prompt)), 1)
+        episodes = self.episodes(
+            rng.sample(self.rows, k=min(len(self.rows), r.num_prompts_per_step * r.n_samples_per_prompt)), 1
+        )
         EpisodeRunner([ExpertEngine(episodes, self.renderer)], step_timeout_s=self.limits.step_timeout_s).run(
             episodes, self.sampling(1.0), seed=step, tag=f"sft{step}"
         )
@@ -131,7 +139,9 @@ class EnvSource:
             if e.greedy:
                 runs["greedy"] = (self.episodes(rows, 1), 0.0)
             for mode, (eps, temperature) in runs.items():
-                self.runner.run(eps, self.sampling(temperature), seed=1_000_003 + self.cfg.seed, tag=f"eval{step}-{name}-{mode}")
+                self.runner.run(
+                    eps, self.sampling(temperature), seed=1_000_003 + self.cfg.seed, tag=f"eval{step}-{name}-{mode}"
+                )
                 everything[mode] += eps
             out |= _eval_figures(name, runs, e.k)
         out |= _eval_figures("all", {m: (eps, 0.0) for m, eps in everything.items() if eps}, e.k)
@@ -151,7 +161,15 @@ class ExpertEngine:
         for req in requests:
             ep = self.by_index[int(req.rid.split("-")[-2])]
             ids = self.renderer.tok.encode(ep.env.expert_reply(ep.messages, self.renderer.format)) + self.end
-            outs.append(GenerateOutput(rid=req.rid, output_ids=ids, output_log_probs=[0.0] * len(ids), finish_reason="stop", weight_version=0))
+            outs.append(
+                GenerateOutput(
+                    rid=req.rid,
+                    output_ids=ids,
+                    output_log_probs=[0.0] * len(ids),
+                    finish_reason="stop",
+                    weight_version=0,
+                )
+            )
         return outs
 
     def abort(self, rids="all") -> None:

@@ -49,7 +49,10 @@ LLAMA3_TEMPLATE = {
             "close_pattern": r"(?=<\|eot_id\|>|<\|eom_id\|>)|$",
             "repeats": True,
             "content": "json",
-            "transform": {"type": "function", "function": {"name": "{content.name}", "arguments": "{content.parameters}"}},
+            "transform": {
+                "type": "function",
+                "function": {"name": "{content.name}", "arguments": "{content.parameters}"},
+            },
         },
         "content": {"close": ["<|eot_id|>", "<|eom_id|>", "<|end_of_text|>"], "content": "text"},
     },
@@ -100,7 +103,11 @@ class ToolFormat:
                 errors.append(f"call {i} ({fn['name']}): '{self.arguments_key}' must be an object")
             else:
                 calls.append(
-                    {"id": f"call_{i}", "type": "function", "function": {"name": fn["name"], "arguments": fn.get("arguments", {})}}
+                    {
+                        "id": f"call_{i}",
+                        "type": "function",
+                        "function": {"name": fn["name"], "arguments": fn.get("arguments", {})},
+                    }
                 )
         if calls:
             message["tool_calls"] = calls

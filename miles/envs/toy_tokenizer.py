@@ -29,7 +29,11 @@ def toy_tokenizer_dir(out_dir: str | os.PathLike | None = None, vocab_size: int 
     """The tokenizer directory (built on first use). Digits are single tokens and newlines stand alone (as in SmolLM2's
     pre-tokenizer, so no merge crosses a turn boundary); between them the BPE may merge across words, which packs the
     tool list and the call's JSON into a few tokens each: the point of a CPU-sized vocabulary for this one task."""
-    root = Path(out_dir or Path(os.environ.get("MILES_CACHE_DIR", Path.home() / ".cache" / "miles")) / f"toy-tokenizer-v{VERSION}-{vocab_size}")
+    root = Path(
+        out_dir
+        or Path(os.environ.get("MILES_CACHE_DIR", Path.home() / ".cache" / "miles"))
+        / f"toy-tokenizer-v{VERSION}-{vocab_size}"
+    )
     if not (root / "tokenizer_config.json").exists():
         _build(root, vocab_size)
     return str(root)
@@ -40,7 +44,11 @@ def _corpus() -> list[str]:
     from miles.envs.tool_formats import tool_format
 
     fmt = tool_format("hermes")
-    texts = [fmt.tools_preamble([TOOL]), fmt.tools_preamble([TOOL_SHORT]), "You are a helpful AI assistant named SmolLM, trained by Hugging Face"]
+    texts = [
+        fmt.tools_preamble([TOOL]),
+        fmt.tools_preamble([TOOL_SHORT]),
+        "You are a helpful AI assistant named SmolLM, trained by Hugging Face",
+    ]
     for row in rows(300, seed=12345):
         env = CalculatorEnv()
         messages, _ = env.reset(row)
@@ -64,7 +72,10 @@ def _build(root: Path, vocab_size: int) -> None:
     )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=SPECIAL, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
     tok.train_from_iterator(_corpus(), trainer)
     fast = transformers.PreTrainedTokenizerFast(

@@ -19,9 +19,9 @@ if not Path(CHROMIUM).exists():
     pytest.skip(f"no Chromium at {CHROMIUM}", allow_module_level=True)
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "envs"))
 
+from family_tokenizers import family_tokenizer  # noqa: E402
 from test_env_tokens import play  # noqa: E402
 
-from family_tokenizers import family_tokenizer  # noqa: E402
 from miles.envs.renderer import Renderer  # noqa: E402
 
 
@@ -67,14 +67,20 @@ def test_the_strip_marks_turns_tool_calls_and_results_and_keeps_them_through_a_r
             if s["kind"] in ("model", "env"):
                 assert "ts" in before[s["start"]].split(), s
         p, mask = len(sample.prompt_ids), sample.metadata["loss_mask"]
-        assert all(("m" in before[p + i].split()) == (not m) for i, m in enumerate(mask))  # env tokens fade, sampled do not
+        assert all(
+            ("m" in before[p + i].split()) == (not m) for i, m in enumerate(mask)
+        )  # env tokens fade, sampled do not
         page.select_option("#color-by", "rollout_log_probs")
         after = classes()
-        assert [set(c.split()) & {"ts", "tc", "tr", "m"} for c in after] == [set(c.split()) & {"ts", "tc", "tr", "m"} for c in before]
+        assert [set(c.split()) & {"ts", "tc", "tr", "m"} for c in after] == [
+            set(c.split()) & {"ts", "tc", "tr", "m"} for c in before
+        ]
         assert after != before  # the colours changed, the marks did not
         env = next(s for s in spans if s["kind"] == "env")
         page.click("#turns button.env")
-        top = page.evaluate(f"() => window.miles.strip.span({env['start']}).getBoundingClientRect().top - window.miles.strip.el.getBoundingClientRect().top")
+        top = page.evaluate(
+            f"() => window.miles.strip.span({env['start']}).getBoundingClientRect().top - window.miles.strip.el.getBoundingClientRect().top"
+        )
         assert 0 <= top < 200
         tip = page.evaluate(f"() => window.miles.tokenStats({env['start']})")
         assert "env turn 0" in tip

@@ -54,8 +54,16 @@ def test_an_env_that_raises_hangs_or_returns_garbage_fails_its_episode_not_the_r
     by_fault = {s.metadata["error_kind"] or "ok": s for s in m.last_samples}
     status = {f: s.metadata["status"] for f, s in zip(FAULTS, sorted(m.last_samples, key=lambda s: s.group))}
     assert status.pop("none") == "done"
-    assert status == {"raise": "failed", "hang": "failed", "garbage": "failed", "nan": "failed", "reset_raises": "failed"}
-    assert metrics["env/errors_raised"] == 2 and metrics["env/errors_timeout"] == 1 and metrics["env/errors_garbage"] == 2
+    assert status == {
+        "raise": "failed",
+        "hang": "failed",
+        "garbage": "failed",
+        "nan": "failed",
+        "reset_raises": "failed",
+    }
+    assert (
+        metrics["env/errors_raised"] == 2 and metrics["env/errors_timeout"] == 1 and metrics["env/errors_garbage"] == 2
+    )
     assert metrics["env/episodes_failed"] == 5 and metrics["env/episodes_done"] == 1
     assert took < 20  # the hung step cost its 1 s bound, not its 60 s sleep
     for s in m.last_samples:
@@ -70,7 +78,7 @@ def test_an_env_that_raises_hangs_or_returns_garbage_fails_its_episode_not_the_r
 
 
 def test_turns_and_tokens_are_bounded(tmp_path):
-    cfg = cfg_for(tmp_path, "faulty_envs:TwoTurnEnv", ["none"] * 2, "env.args={\"turns\": 50}", "env.max_turns=3")
+    cfg = cfg_for(tmp_path, "faulty_envs:TwoTurnEnv", ["none"] * 2, 'env.args={"turns": 50}', "env.max_turns=3")
     m = RolloutManager(cfg, "cpu", source_factory=EnvSource)
     _, metrics = m.generate(0)
     assert metrics["env/episodes_max_turns"] == 2 and metrics["env/turns"] == 3
@@ -104,7 +112,11 @@ def test_env_config_errors_name_the_value_and_the_fix(tmp_path):
     with pytest.raises(ValueError, match="not a built-in environment.*did you mean 'calculator'"):
         EnvSource(cfg_for(tmp_path, "calculater"), None, [])
     with pytest.raises(ValueError, match=r"env.args .* do not fit TwoTurnEnv\(turns\)"):
-        RolloutManager(cfg_for(tmp_path, "faulty_envs:TwoTurnEnv", ["none"], "env.args={\"rounds\": 3}"), "cpu", source_factory=EnvSource)
+        RolloutManager(
+            cfg_for(tmp_path, "faulty_envs:TwoTurnEnv", ["none"], 'env.args={"rounds": 3}'),
+            "cpu",
+            source_factory=EnvSource,
+        )
     with pytest.raises(ValueError, match="env.args = .* is not JSON"):
         cfg_for(tmp_path, "calculator", ["none"], "env.args={rounds: 3}")
     with pytest.raises(ValueError, match="source_factory=miles.envs.source.EnvSource"):

@@ -42,11 +42,18 @@ class ScriptedEnv:
 
 def assistant_turns(renderer: Renderer) -> list[dict]:
     calls = [
-        {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "calculate", "arguments": {"expression": e}}}]}
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"type": "function", "function": {"name": "calculate", "arguments": {"expression": e}}}],
+        }
         for e, _ in CALLS
     ]
     if not renderer.native_tools:  # inline style: the model writes the call as text
-        calls = [{"role": "assistant", "content": renderer.format.call_text("calculate", {"expression": e})} for e, _ in CALLS]
+        calls = [
+            {"role": "assistant", "content": renderer.format.call_text("calculate", {"expression": e})}
+            for e, _ in CALLS
+        ]
     return [*calls, {"role": "assistant", "content": "The answer is 37."}]
 
 
@@ -71,7 +78,11 @@ class ScriptedEngine:
             a, b = self.r.tok.decode([ids[i]])[:1], self.r.tok.decode([ids[i]])[1:]
             ids = ids[:i] + self.r.tok.encode(a) + self.r.tok.encode(b) + ids[i + 1 :]
         self.n += 1
-        return [GenerateOutput(rid=req.rid, output_ids=ids, output_log_probs=[-0.5] * len(ids), finish_reason="stop", weight_version=3)]
+        return [
+            GenerateOutput(
+                rid=req.rid, output_ids=ids, output_log_probs=[-0.5] * len(ids), finish_reason="stop", weight_version=3
+            )
+        ]
 
     def abort(self, rids="all"):
         pass
@@ -124,7 +135,9 @@ def test_the_loss_mask_covers_exactly_the_sampled_tokens(family):
     t = ep.traj
     sampled = [i for s, e in t.model_turns() for i in range(s, e)]
     assert [i for i, m in enumerate(t.mask) if m] == sampled and len(t.model_turns()) == 4
-    assert all(t.log_probs[i] == -0.5 for i in sampled) and all(t.log_probs[i] == 0.0 for i in range(len(t)) if i not in sampled)
+    assert all(t.log_probs[i] == -0.5 for i in sampled) and all(
+        t.log_probs[i] == 0.0 for i in range(len(t)) if i not in sampled
+    )
     sample = ep.to_sample()
     assert sample.prompt_ids == t.token_ids[: t.prompt_len] and sample.metadata["loss_mask"] == t.mask[t.prompt_len :]
     assert sample.weight_version == 3 and sample.reward == 1.0
@@ -140,7 +153,9 @@ def test_the_first_prompt_is_transformers_apply_chat_template(family):
     r = Renderer(tok)
     msgs, tools = r.with_tools([{"role": "user", "content": QUESTION}], [TOOL])
     out = tok.tok.apply_chat_template(msgs, tools=tools or None, tokenize=True, add_generation_prompt=True)
-    assert tok.encode(r.text([{"role": "user", "content": QUESTION}], [TOOL], generation_prompt=True)) == list(out["input_ids"])
+    assert tok.encode(r.text([{"role": "user", "content": QUESTION}], [TOOL], generation_prompt=True)) == list(
+        out["input_ids"]
+    )
 
 
 def test_a_non_canonical_sampled_split_is_reported_as_tokenization_drift(family):
@@ -148,7 +163,9 @@ def test_a_non_canonical_sampled_split_is_reported_as_tokenization_drift(family)
     ep = play(Renderer(tok), split_turn=3)
     assert ep.drift.kind in ("tokenization", "template")  # qwen3's template drift comes first there
     if ep.drift.kind == "tokenization":
-        assert ep.drift.num_tokens >= 1 and tok.decode(ep.traj.token_ids) == tok.decode(rerender_ids(ep.renderer, ep.messages, [TOOL], tok))
+        assert ep.drift.num_tokens >= 1 and tok.decode(ep.traj.token_ids) == tok.decode(
+            rerender_ids(ep.renderer, ep.messages, [TOOL], tok)
+        )
 
 
 def test_a_template_that_drops_the_newline_after_earlier_headers_is_caught(tmp_path):
@@ -156,9 +173,13 @@ def test_a_template_that_drops_the_newline_after_earlier_headers_is_caught(tmp_p
     assistant turn has no newline there, so a trainer re-tokenizing the transcript trains on a context the policy never
     saw, once per earlier turn."""
     tok = family_tokenizer("smollm2", tmp_path)
-    tok.tok.chat_template = (TEMPLATES / "smollm2.jinja").read_text().replace(
-        "{{'<|im_start|>' + message['role'] + '\n'",  # the published template has a real newline there
-        "{{'<|im_start|>' + message['role'] + ('' if message['role'] == 'assistant' and not loop.last else '\n')",
+    tok.tok.chat_template = (
+        (TEMPLATES / "smollm2.jinja")
+        .read_text()
+        .replace(
+            "{{'<|im_start|>' + message['role'] + '\n'",  # the published template has a real newline there
+            "{{'<|im_start|>' + message['role'] + ('' if message['role'] == 'assistant' and not loop.last else '\n')",
+        )
     )
     assert "not loop.last" in tok.tok.chat_template
     r = Renderer(tok)

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("openenv.core.env_server.mcp_environment", reason="needs openenv-core: pip install 'miles[openenv]'")
+pytest.importorskip(
+    "openenv.core.env_server.mcp_environment", reason="needs openenv-core: pip install 'miles[openenv]'"
+)
 pytest.importorskip("fastmcp", reason="needs openenv-core's fastmcp: pip install 'miles[openenv]'")
 
 from miles.envs.api import check_reset, check_step  # noqa: E402
@@ -20,7 +22,9 @@ def call(name, **arguments):
 
 def test_an_openenv_mcp_environment_runs_an_episode_through_the_adapter():
     env = make_env(env_class("openenv"), {"env": "openenv_math:MathToolsEnvironment", "final_tool": "submit"})
-    messages, tools = check_reset(env.reset({"prompt": "What is 2 + 3?", "metadata": {"reset": {"target": 5}}}), "openenv")
+    messages, tools = check_reset(
+        env.reset({"prompt": "What is 2 + 3?", "metadata": {"reset": {"target": 5}}}), "openenv"
+    )
     assert messages == [{"role": "user", "content": "What is 2 + 3?"}]
     by_name = {t["function"]["name"]: t["function"] for t in tools}
     assert set(by_name) == {"add", "submit"} and by_name["add"]["parameters"]["required"] == ["a", "b"]
@@ -34,7 +38,9 @@ def test_an_openenv_mcp_environment_runs_an_episode_through_the_adapter():
 def test_a_wrong_answer_and_an_unknown_tool_are_answered_not_raised():
     env = OpenEnvAdapter(env="openenv_math:MathToolsEnvironment", final_tool="submit")
     env.reset({"prompt": "What is 2 + 3?"})
-    step = check_step(env.step({"role": "assistant", "content": "", "tool_calls": [call("multiply", a=2, b=3)]}), "openenv")
+    step = check_step(
+        env.step({"role": "assistant", "content": "", "tool_calls": [call("multiply", a=2, b=3)]}), "openenv"
+    )
     assert step.messages[0]["content"].startswith("error") and not step.done
     assert check_step(env.step({"role": "assistant", "content": "7"}), "openenv").reward == 0.0
 
