@@ -12,7 +12,7 @@ TOOL_FORMATS = ("auto", "hermes", "llama3")
 
 @dataclass(kw_only=True, slots=True)
 class EnvConfig:
-    # the environment: a built-in name (calculator, python, verifiers) or "module:Class"; "" = no environment (the
+    # the environment: a built-in name (calculator, python, openenv) or "module:Class"; "" = no environment (the
     # task / dataset sources as before). With a name, data.train rows are the episodes' task rows
     name: str = ""
     args: str = ""  # the class's keyword arguments as a JSON object, e.g. '{"tools": false}'

@@ -16,7 +16,7 @@ import threading
 import time
 
 from miles.envs.episode import Episode, bounded_all
-from miles.rollout.engine import SamplingParams
+from miles.rollout.engine import GenerateOutput, SamplingParams
 
 
 class EpisodeRunner:
@@ -88,7 +88,5 @@ class EpisodeRunner:
         return len(running)
 
 
-def _aborted(request):
-    from miles.rollout.engine import GenerateOutput
-
+def _aborted(request) -> GenerateOutput:
     return GenerateOutput(rid=request.rid, output_ids=[], output_log_probs=[], finish_reason="abort", weight_version=0)

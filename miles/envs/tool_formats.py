@@ -36,7 +36,13 @@ HERMES_TEMPLATE = {
             "content": "json",
             "transform": {"type": "function", "function": "{content}"},
         },
-        "content": {"close": ["<|im_end|>", "<|endoftext|>", "<eos>"], "content": "text"},
+        # text before, between and after calls (a single field would keep only the last piece)
+        "content": {
+            "close": ["<|im_end|>", "<|endoftext|>", "<eos>"],
+            "content": "text",
+            "repeats": True,
+            "join": "\n",
+        },
     },
 }
 
@@ -91,7 +97,7 @@ class ToolFormat:
             parsed = parse_response(text, self.response_template, prefix=prefix)
         except ValueError as e:
             return {"role": "assistant", "content": _strip_stop(text), "tool_call_errors": [_one_line(e)]}
-        message = {"role": "assistant", "content": parsed.get("content") or ""}
+        message = {"role": "assistant", "content": (parsed.get("content") or "").strip()}
         if parsed.get("reasoning_content"):
             message["reasoning_content"] = parsed["reasoning_content"]
         calls, errors = [], []

@@ -195,3 +195,29 @@ def test_compare_counts_the_tokens_outside_matching_blocks(tmp_path):
     b = tok.encode("The answer is 38.")
     d = compare(a, b, tok)
     assert d.kind == "template" and d.num_tokens == 1 and d.first == a.index(tok.encode("7")[0], 3)
+
+
+def test_a_turn_cut_at_its_token_limit_is_closed_by_the_templates_end_token_masked(tmp_path):
+    tok = family_tokenizer("smollm2", tmp_path)
+    r = Renderer(tok)
+    ep = Episode(ScriptedEnv(), {"prompt": QUESTION}, r, LIMITS, index=0, group=0)
+    engine = ScriptedEngine(r, ep)
+    inner = engine.generate
+
+    def cut_first(requests, seed=None):
+        (out,) = inner(requests, seed=seed)
+        if engine.n == 1:  # the first turn stops one token short: no end token, finish_reason 'length'
+            out.output_ids, out.output_log_probs, out.finish_reason = (
+                out.output_ids[:-1],
+                out.output_log_probs[:-1],
+                "length",
+            )
+        return [out]
+
+    engine.generate = cut_first
+    EpisodeRunner([engine], step_timeout_s=10.0).run([ep], SamplingParams(max_new_tokens=200), seed=0, tag="t")
+    assert ep.status == "done" and ep.num_truncated == 1
+    assert ep.drift.kind == "none" and ep.traj.token_ids == rerender_ids(r, ep.messages, [TOOL], tok)
+    end = tok.encode("<|im_end|>")[0]
+    first_env = next(s for s in ep.traj.spans if s.kind == "env")
+    assert ep.traj.token_ids[first_env.start] == end and ep.traj.mask[first_env.start] == 0
