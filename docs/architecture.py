@@ -41,6 +41,7 @@ LAYERS = [
         [
             ("miles/agents/", "session servers, harness, abort / flush"),
             ("miles/data/", "prompt datasets, verifiers, held-out eval"),
+            ("miles/envs/", "reset / step environments, chat templates, tool calls"),
         ],
     ),
     (
@@ -67,6 +68,7 @@ LAYERS = [
             ("miles/config.py", "one dataclass per component -> RunConfig"),
             ("miles/config_overrides.py", "section.field=value, typed"),
             ("miles/data/config.py", "data and eval configs"),
+            ("miles/envs/config.py", "environment config"),
             ("miles/data/verify.py", "math / countdown verifiers"),
             ("miles/sglang_flags.py", "SGLang's server flags, checked"),
             ("miles/preflight.py", "the machine's checks before Ray"),

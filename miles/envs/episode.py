@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from miles.envs.api import EnvError, StepResult, check_reset, check_step
 from miles.envs.drift import DriftReport, compare, rerender_ids
 from miles.envs.trajectory import Trajectory, char_ranges
-from miles.rollout.engine import GenerateOutput, GenerateRequest, SamplingParams
+from miles.protocols.engine import GenerateOutput, GenerateRequest, SamplingParams
 from miles.samples import Sample
 
 

@@ -16,7 +16,7 @@ import threading
 import time
 
 from miles.envs.episode import Episode, bounded_all
-from miles.rollout.engine import GenerateOutput, SamplingParams
+from miles.protocols.engine import GenerateOutput, SamplingParams
 
 
 class EpisodeRunner:

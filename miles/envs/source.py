@@ -25,7 +25,7 @@ from miles.envs.episode import Episode, Limits
 from miles.envs.registry import env_class, make_env
 from miles.envs.renderer import Renderer
 from miles.envs.runner import EpisodeRunner
-from miles.rollout.engine import GenerateOutput, SamplingParams
+from miles.protocols.engine import GenerateOutput, SamplingParams
 from miles.samples import Sample
 
 log = logging.getLogger("miles")

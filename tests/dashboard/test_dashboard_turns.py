@@ -11,7 +11,7 @@ import pytest
 
 from miles.dashboard.server import DashboardServer
 from miles.dashboard.snapshot import CHROMIUM, CHROMIUM_ARGS
-from miles.dashboard.store import RolloutDumpWriter
+from miles.rollout_dump import RolloutDumpWriter
 
 sync_api = pytest.importorskip("playwright.sync_api")
 pytest.importorskip("transformers")
