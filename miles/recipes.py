@@ -277,8 +277,9 @@ def quickstart_tools() -> RunConfig:
     """Tool use on CPU: a ~1M-parameter Qwen2-style decoder learns to call a calculator for products of two 2-digit
     numbers, which it cannot compute itself, through the calculator environment with SmolLM2's chat template over a
     small BPE (miles.envs.toy_tokenizer: a call is ~12 tokens). A supervised warm-up on the environment's
-    demonstrations teaches the call format; RL then raises the share of episodes whose call copies the expression
-    and whose answer copies the result (notebooks/14_tools.ipynb). Held-out: the calculator's level-0 test split."""
+    demonstrations teaches the call format; RL, with per-turn partial credit for what the call and the answer copy in
+    place, then raises the share of episodes whose call copies the expression and whose answer copies the result
+    (return 1). Held-out: the calculator's level-0 test split (notebooks/14_tools.ipynb)."""
     from miles.envs import calculator
     from miles.envs.toy_tokenizer import toy_tokenizer_dir
 
@@ -291,9 +292,9 @@ def quickstart_tools() -> RunConfig:
         num_prompts_per_step=16, n_samples_per_prompt=4, max_new_tokens=24, max_seq_len=256, max_batch_size=128
     )
     d["trainer"].update(lr=1e-3, warmup_sft_steps=40, warmup_sft_lr=3e-3, num_minibatches=1, entropy_coef=0.0)
-    d["env"].update(name="calculator", args='{"describe": false}', max_turns=3)
+    d["env"].update(name="calculator", args='{"describe": false, "partial_credit": true}', max_turns=3)
     d["data"].update(train=train, eval=test, reward="math")
-    d["eval"].update(every=10, k=2, temperature=1.0, max_problems=32)
+    d["eval"].update(every=10, k=2, temperature=1.0, max_problems=16)
     return RunConfig.from_dict(d)
 
 

@@ -93,12 +93,18 @@ def _value(node) -> Fraction:
 class CalculatorEnv:
     """See the module docstring. One instance per episode."""
 
-    def __init__(self, tools: bool = True, max_calls: int = 4, describe: bool = True):
+    def __init__(self, tools: bool = True, max_calls: int = 4, describe: bool = True, partial_credit: bool = False):
+        """``partial_credit``: per-turn rewards for a tiny model's first steps (the CPU recipe): a call earns up to 0.5
+        for the share of the expression's characters it copied in place, the answer 0.5 when right (else up to 0.4 for
+        the digits in place); the return is 1 only for the right call and the right answer. Off: 1 for the right
+        answer, 0 otherwise."""
         self.tools, self.max_calls, self.schema = tools, max_calls, TOOL if describe else TOOL_SHORT
-        self.answer, self.calls = "", 0
+        self.partial_credit = partial_credit
+        self.answer, self.expression, self.calls = "", "", 0
 
     def reset(self, row: dict) -> tuple[list[dict], list[dict]]:
         self.answer, self.calls = str(row["answer"]).strip(), 0
+        self.expression = (row.get("metadata") or {}).get("expression", "")
         return [{"role": "user", "content": row["prompt"]}], [self.schema] if self.tools else []
 
     def step(self, message: dict) -> tuple[list[dict], float, bool, dict]:
@@ -109,11 +115,22 @@ class CalculatorEnv:
         if self.tools and calls:
             if self.calls >= self.max_calls:  # a loop of calls never answers: the episode ends unanswered
                 return [], 0.0, True, {"passed": False, "tool_calls": self.calls}
+            reward = self._call_credit(calls[0]) if self.partial_credit and self.calls == 0 else 0.0
             self.calls += len(calls)
-            return [self._result(c) for c in calls], 0.0, False, {"tool_calls": self.calls}
+            return [self._result(c) for c in calls], reward, False, {"tool_calls": self.calls}
         found = NUMBER.findall(message.get("content") or "")
         passed = bool(found) and _same_number(found[-1], self.answer)
-        return [], float(passed), True, {"passed": passed, "tool_calls": self.calls}
+        reward = float(passed)
+        if self.partial_credit and self.tools:
+            reward = 0.5 if passed else 0.4 * _in_place(found[-1] if found else "", self.answer)
+        return [], reward, True, {"passed": passed, "tool_calls": self.calls}
+
+    def _call_credit(self, call: dict) -> float:
+        fn = call.get("function") or {}
+        got = (fn.get("arguments") or {}).get("expression")
+        if fn.get("name") != TOOL["function"]["name"] or not isinstance(got, str) or not self.expression:
+            return 0.0
+        return 0.5 * _in_place(got, self.expression)
 
     def _result(self, call: dict) -> dict:
         fn = call.get("function") or {}
@@ -139,6 +156,13 @@ class CalculatorEnv:
 
 
 _EXPRESSION = re.compile(r"What is (.+?)\?")
+
+
+def _in_place(got: str, want: str) -> float:
+    """The share of ``want``'s characters that ``got`` has at the same place (1 only when equal)."""
+    if got == want:
+        return 1.0
+    return 0.9 * sum(a == b for a, b in zip(got, want)) / max(len(got), len(want), 1)
 
 
 def _same_number(a: str, b: str) -> bool:
