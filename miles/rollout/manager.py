@@ -88,7 +88,8 @@ class RolloutManager(UpdateCalls):
                 f"env.name = {cfg.env.name!r} needs the environment sample source: RolloutManager(cfg, "
                 "source_factory=miles.envs.source.EnvSource) (miles.cluster.Cluster and miles.colocated.Colocated pass it)"
             )
-        self.rewards.start(calls_to_start(cfg))  # the workers load the reward while the run starts up
+        # the workers load the reward while the run starts up (an environment scores its own episodes: none)
+        self.rewards.start([] if source_factory is not None else calls_to_start(cfg))
         self.evaluator = None  # built on the first eval (miles.data.eval)
         self.last_samples: list[Sample] = []
 
