@@ -92,8 +92,9 @@ class EnvSource:
             )
         return [ep.to_sample() for ep in episodes], metrics
 
-    def score(self, samples: list[Sample]) -> None:
-        """Nothing to do: each sample's reward is its episode's return."""
+    def score(self, samples: list[Sample], step: int) -> dict[str, float]:
+        """Nothing to do: each sample's reward is its episode's return (the environment scored it)."""
+        return {}
 
     def close(self) -> None:
         self.runner.flush()
