@@ -3,7 +3,7 @@
 Runs a recipe (default ``smollm2_math``) with ``--set`` overrides, stops it after ``--minutes`` of training (the
 stopped run is evaluated once more), and reports every eval row (step, seconds since the start, mean@k, pass@j,
 greedy pass@1 per dataset and overall), the RL rows' reward and throughput, and the gain of each eval figure from
-the first eval (the measured start) to the last.
+the first eval (the measured start) to the last, and the reward calls that timed out or failed (miles.reward).
 
     miles bench real-model --minutes 7 --set eval.every=5
     miles bench real-model --recipe smollm2_tools --minutes 8                                  # tool use
@@ -52,6 +52,10 @@ def run(argv: list[str]) -> dict:
         "tokens_per_s": sum(r["total_tokens"] for r in rows) / max(sum(r["time/step"] for r in rows), 1e-9),
         "rollout_tokens_per_s": sum(r["rollout_tokens"] for r in rows)
         / max(sum(r["time/generate"] for r in rows), 1e-9),
+        "reward_timeouts": sum(r.get("reward/timeouts", 0) for r in rows),  # each scored data.reward_on_error
+        "reward_errors": sum(r.get("reward/errors", 0) for r in rows),
+        "eval_reward_timeouts": sum(r.get("eval/reward_timeouts", 0) for r in evals),
+        "time_reward_s": sum(r.get("time/reward", 0) for r in rows),
         "eval_k": cfg.eval.k,
         "eval": evals,
         "gain": _gain(evals),

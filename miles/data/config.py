@@ -27,8 +27,10 @@ class DataConfig:
     # worker process (miles.reward) under this wall-clock limit; a call past it is killed with its worker
     reward_timeout_s: float = 5.0
     # the reward of a call that raised, timed out or returned a non-finite number: counted per step in
-    # reward/errors and reward/timeouts, the first of each step written to run_dir/reward_errors/step_N.json.
-    # "raise" stops the run at the first one instead (after a checkpoint: fix the reward and rerun to resume)
+    # reward/errors and reward/timeouts (eval: eval/reward_*), the first of each step written to
+    # run_dir/reward_errors/step_000N.json (eval_step_000N.json).
+    # "raise" stops the run at the first one instead (in an RL step, the steps before it are saved: fix the
+    # reward and rerun to resume)
     reward_on_error: str = "0"
     reward_workers: int = 0  # reward worker processes; 0 = min(4, CPU cores)
     reward_memory_gb: float = 4.0  # data-segment cap of each reward worker (MemoryError past it); 0 = no cap
