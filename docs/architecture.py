@@ -24,6 +24,7 @@ LAYERS = [
         "orchestration",
         [
             ("miles/cluster.py", "Ray placement group, actors, plan executor"),
+            ("miles/cluster_nodes.py", "actors on nodes: checked, recorded, lost"),
             ("miles/colocated.py", "the same plan, in one process"),
             ("miles/planner_view.py", "the planner's tables and charts"),
         ],
@@ -72,6 +73,7 @@ LAYERS = [
             ("miles/data/verify.py", "math / countdown verifiers"),
             ("miles/sglang_flags.py", "SGLang's server flags, checked"),
             ("miles/preflight.py", "the machine's checks before Ray"),
+            ("miles/placement.py", "cluster config; pins, nodes checked"),
         ],
     ),
     (
@@ -100,6 +102,7 @@ LAYERS = [
             ("miles/stacks.py", "every process's Python stacks"),
             ("miles/threads.py", "one compute thread per actor"),
             ("miles/ports.py", "free ports, port ranges"),
+            ("miles/nodes.py", "this node, a cluster reached, shared dirs"),
             ("miles/http_guard.py", "Host / Origin / key checks"),
             ("miles/http_connections.py", "per-client connection caps"),
             ("miles/secret_file.py", "keys read from mode-600 files"),

@@ -8,8 +8,11 @@ import logging
 import os
 from pathlib import Path
 
+from miles.cluster_nodes import Placement, engine_api_key, rollout_scheduling, start_engine_hosts
 from miles.config import RunConfig
 from miles.handoff import TRAIN_ALL
+from miles.nodes import join_error, probe_address
+from miles.placement import address_host_port, check_nodes, trainer_bundles, trainer_strategy
 from miles.plan_executor import PlanExecutor
 from miles.preflight import check_environment
 from miles.ray_logs import drop_reported_tracebacks, quiet_startup_warnings
@@ -49,11 +52,17 @@ def wait_for_placement_group(pg, bundles: list[dict], timeout_s: float) -> None:
 RAY_PATH = Path(__file__).parent / "ray_path"
 
 
-def start_ray(address: str = "", *, num_cpus: int | None = None, threads: int = 1) -> None:
+def start_ray(
+    address: str = "", *, num_cpus: int | None = None, threads: int = 1, connect_timeout_s: float = 30.0
+) -> None:
     """Join ``address`` or start a local Ray. On a loaded machine the raylet's default 30 s wait for its agent's
     port file runs out and the raylet aborts ("Timed out waiting for file .../metrics_agent_port..."), so the wait
-    is raised here before the raylet starts."""
+    is raised here before the raylet starts. An address is probed first: where nothing listens, Ray's own join
+    waits minutes before it fails (miles.nodes.probe_address)."""
     import ray
+
+    if where := address_host_port(address):
+        probe_address(address, *where, connect_timeout_s)
 
     os.environ.setdefault("RAY_agent_register_timeout_ms", "600000")
     os.environ.setdefault("RAY_enable_metrics_collection", "0")  # no metrics agent to wait for; miles has its ledger
@@ -78,6 +87,8 @@ def start_ray(address: str = "", *, num_cpus: int | None = None, threads: int = 
             drop_reported_tracebacks()  # an actor's constructor error is reported once, by the driver
             return
         except Exception as e:
+            if not local:
+                raise join_error(address or os.environ["RAY_ADDRESS"], e) from None
             if "timed out during startup" not in str(e) or attempt == 2:
                 raise
             log.warning("Ray did not start in time (%s); retrying (%d/3)", e, attempt + 2)
@@ -179,7 +190,6 @@ class Cluster(PlanExecutor):
     def __init__(self, cfg: RunConfig):
         import ray
         from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from miles.rollout.manager import RolloutManager
 
@@ -188,15 +198,24 @@ class Cluster(PlanExecutor):
         self.owns_ray = not ray.is_initialized()
         if self.owns_ray:
             start_ray(
-                cfg.ray_address,
+                cfg.cluster.address,
                 num_cpus=max(os.cpu_count() or 1, cfg.trainer.world_size),
                 threads=cfg.num_threads or os.cpu_count() or 1,
+                connect_timeout_s=cfg.cluster.connect_timeout_s,
             )
         self.device = resolve_device(cfg)
         gpu = 1 if self.device == "cuda" else 0
-        bundles = [{"CPU": 1, **({"GPU": 1} if gpu else {})} for _ in range(cfg.trainer.world_size)]
-        self.pg = placement_group(bundles, strategy="PACK")
-        wait_for_placement_group(self.pg, bundles, PG_READY_TIMEOUT_S["cluster" if cfg.ray_address else "local"])
+        bundles = trainer_bundles(cfg.cluster, cfg.trainer.world_size, gpu)  # a pin per rank (miles.placement)
+        try:
+            check_nodes(cfg, gpu, ray.nodes())  # before anything is launched: pins, CPUs and GPUs of each node
+            self.pg = placement_group(bundles, strategy=trainer_strategy(cfg.cluster))
+            wait_for_placement_group(
+                self.pg, bundles, PG_READY_TIMEOUT_S["cluster" if cfg.cluster.address else "local"]
+            )
+        except BaseException:
+            if self.owns_ray:
+                ray.shutdown()
+            raise
         # the planner's order (miles.planner.replay): the engines are built first; the trainer's actors start
         # here holding no model, which the plan's trainer.build step creates
         # the engine side of rdt: its receive call waits inside the actor while Ray's transfer needs a second slot
@@ -207,6 +226,7 @@ class Cluster(PlanExecutor):
         ] = {}  # next_step -> the dataset position, for a checkpoint without the rollout
         self.watchdog = Watchdog(cfg.watchdog_s, cfg.run_dir, stop=self.abort)
         env = self.watchdog.env()  # the actors, and every process they start, register with it (miles.heartbeat)
+        self.engine_hosts = start_engine_hosts(cfg, self.device, env)  # servers on other nodes (cluster.engine_nodes)
         self.rollout = (
             ray.remote(RolloutManager)
             .options(
@@ -214,15 +234,24 @@ class Cluster(PlanExecutor):
                 num_gpus=0.45 * gpu,
                 **actor_options(2 if rdt else 1, env),  # one torch thread: miles/threads.py
                 **({"enable_tensor_transport": True} if rdt else {}),
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=0),
+                **rollout_scheduling(cfg, self.pg),  # trainer rank 0's bundle, or cluster.rollout_node
             )
-            .remote(cfg, self.device, source_factory=sample_source_factory(cfg))
+            .remote(
+                cfg,
+                self.device,
+                source_factory=sample_source_factory(cfg),
+                hosts=self.engine_hosts,
+                api_key=engine_api_key(cfg) if self.engine_hosts else "",
+            )
         )
         # the trainer's processes start meanwhile (Python and torch imports, ~6 s on 2 cores); they hold no model
         self.trainer = TrainGroup(cfg, self.pg, num_gpus_per_actor=0.45 * gpu, wait=False, env=env)
         try:
             self.get(self.rollout.engine_count.remote())  # built (a launch error surfaces here, before the trainer)
-            self.trainer.wait_ready()
+            self.trainer.wait_ready()  # the ranks rendezvous at rank 0's node
+            self.placement = Placement.read(cfg, self.trainer, self.rollout, self.engine_hosts)
+            self.placement.check(cfg)  # the sync reaches every engine; every node sees run_dir (miles.cluster_nodes)
+            log.info("placement: %s", self.placement.describe())
             self.trainer.connect_sync([self.rollout])
             self.watchdog.start()
         except BaseException:
@@ -273,6 +302,16 @@ class Cluster(PlanExecutor):
         kill_process_trees([p.pid for role in victims for p in self.watchdog.processes(role)])
         for actor in (a for actors in victims.values() for a in actors):
             ray.kill(actor, no_restart=True)  # an actor that never registered, and Ray's own bookkeeping
+
+    def lost_node(self, e: BaseException):
+        """After ``e`` from a call into the cluster: a NodeLostError naming the run's node that left the cluster (the
+        actors left are then only killed on close), or None (miles.cluster_nodes.Placement.lost)."""
+        if self.dead or self.watchdog.stall is not None or not hasattr(self, "placement"):
+            return None  # the watchdog stopped the actors: their deaths are its doing
+        lost = self.placement.lost(e)
+        if lost is not None:
+            self.dead |= {"rollout", "trainer"}
+        return lost
 
     def synced(self, metrics: list[dict]) -> None:
         self.sync_metrics = metrics[0]
@@ -331,9 +370,9 @@ class Cluster(PlanExecutor):
         except Exception:
             if not self.dead:
                 raise
-            log.warning("after the stall, the processes left did not close cleanly; they are killed", exc_info=True)
+            log.warning("after the stop, the processes left did not close cleanly; they are killed", exc_info=True)
         finally:
-            for a in (trainer.actors if trainer is not None else []) + [self.rollout]:
+            for a in (trainer.actors if trainer is not None else []) + [self.rollout, *self.engine_hosts]:
                 ray.kill(a)
             remove_placement_group(self.pg)
             if self.owns_ray:

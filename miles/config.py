@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -17,6 +18,7 @@ from miles.config_overrides import apply_overrides, apply_values, build  # noqa:
 from miles.data.config import DataConfig, EvalConfig, check_run
 from miles.envs.config import EnvConfig
 from miles.model.config import ModelConfig
+from miles.placement import ClusterConfig, check_cluster
 from miles.policy.objective import check_objective, check_rollout, check_trainer
 from miles.trackers import LogConfig
 
@@ -294,7 +296,7 @@ class RunConfig:
     resume: bool = True  # continue from the last complete checkpoint in run_dir
     overwrite: bool = False  # consent to write into a non-run directory, or (resume=false) delete the run there
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: CUDA when present, else the CPU
-    ray_address: str = ""  # "" starts a local Ray; "ray://host:10001" or "auto" joins a cluster
+    ray_address: str = ""  # the former name of cluster.address, still read: moved there when the config is built
     num_threads: int = 0  # torch threads per actor; 0 = all cores
     dump_rollouts: bool = True  # per-step samples and per-token columns for the dashboard
     # seconds without progress before the run stops with every process's Python stacks in run_dir/stall-<UTC>/;
@@ -317,6 +319,7 @@ class RunConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)  # held-out eval of data.eval
     env: EnvConfig = field(default_factory=EnvConfig)  # multi-turn environments (tool use) driving the episodes
     log: LogConfig = field(default_factory=LogConfig)  # experiment trackers
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)  # a Ray cluster to join, and where actors go on it
 
     def __post_init__(self):
         require_finite("", self)
@@ -344,6 +347,8 @@ class RunConfig:
                 f"env.name = {self.env.name!r} needs task rows: set data.train (python -m miles.envs.calculator OUT_DIR "
                 "writes the calculator's train and test splits)"
             )
+        move_ray_address(self)
+        check_cluster(self)  # pins per rank and per engine (miles.placement)
         if self.trainer.backend == "megatron" and self.device == "cpu":
             raise ValueError("trainer.backend = 'megatron' needs a GPU; use device=cuda or trainer.backend=torch")
         check_objective(self)
@@ -391,6 +396,23 @@ class RunConfig:
     @classmethod
     def from_dict(cls, d: dict) -> "RunConfig":
         return build(cls, d)
+
+
+def move_ray_address(cfg: RunConfig) -> None:
+    """``ray_address`` (the field's former name) into ``cluster.address``, with a notice; both set differently is
+    refused."""
+    if not cfg.ray_address:
+        return
+    if cfg.cluster.address and cfg.cluster.address != cfg.ray_address:
+        raise ValueError(
+            f"ray_address = {cfg.ray_address!r} and cluster.address = {cfg.cluster.address!r} disagree; ray_address is "
+            "the former name of cluster.address: set cluster.address only"
+        )
+    logging.getLogger("miles").warning(
+        "ray_address is now cluster.address (--set cluster.address=%s); the old name still works", cfg.ray_address
+    )
+    cfg.cluster = dataclasses.replace(cfg.cluster, address=cfg.ray_address)
+    cfg.ray_address = ""
 
 
 def check_true_on_policy(cfg: RunConfig) -> None:

@@ -32,11 +32,13 @@ def train(cfg: RunConfig, *, progress: bool = True, stop: threading.Event | None
         log.info(plan.describe())
         with Cluster(cfg) as c, Trackers.open(cfg.log, run, config=cfg.to_dict()):
             book = Bookkeeper(cfg, run, c, on_step)
-            with book.stops_on_stall():  # the stall watchdog (miles.watchdog) ends the run here, in one line
+            # the stall watchdog (miles.watchdog) or a node that left the cluster ends the run here, in one line
+            with book.stops_on_stall(), book.stops_on_node_loss():
                 start = book.find_checkpoint()
                 c.on_built = book.resume  # the trainer exists from the plan's trainer.build step on
                 c.on_warm_up = lambda: book.saved_step is None and warmup(cfg, c, book)  # a resumed run is warm
                 book.ledger(-1, c.execute(plan.init, version=start, phase="init"))
+                run.append_placement(start, c.placement.rows())  # where each actor runs (miles.cluster_nodes)
                 with StopOnCtrlC(stop) as stop:  # the first Ctrl-C ends the loop at a step boundary, saved
                     for step in book.progress(range(start, cfg.num_steps), progress):
                         if stop.is_set():
@@ -219,6 +221,19 @@ class Bookkeeper:
                 log.warning("after the stall, RL steps before %d could not be saved: %s", stall.step, e)
         raise StallError(f"{stall.line}; {saved_message(self.run_dir, lead='the run is stopped')}") from None
 
+    @contextlib.contextmanager
+    def stops_on_node_loss(self):
+        """A node of the run that left the Ray cluster ends it with NodeLostError: the node, what ran there, and what
+        a rerun resumes from (a checkpoint is written whole or not at all, so those on disk are intact)."""
+        try:
+            yield
+        except Exception as e:
+            lost = self.c.lost_node(e)
+            if lost is None:
+                raise
+            on_the_rest = "it on the nodes left (nothing pinned to the lost node)"
+            raise type(lost)(f"{lost}. {saved_message(self.run_dir, 'The run is stopped', on_the_rest)}") from None
+
     def progress(self, steps, enabled: bool):
         if not enabled:
             return steps
@@ -275,12 +290,12 @@ def say_what_is_saved(run: RunDir):
         raise KeyboardInterrupt(saved_message(run)) from None
 
 
-def saved_message(run_dir: RunDir, lead: str = "interrupted") -> str:
-    """What a rerun of the same command resumes from, truthfully."""
+def saved_message(run_dir: RunDir, lead: str = "interrupted", rerun: str = "the same command") -> str:
+    """What a rerun of the same command (or ``rerun``) resumes from, truthfully."""
     steps = run_dir.checkpoints.steps()
     if steps:
-        return f"{lead}; RL steps before {steps[0][0]} are saved in {steps[0][1]}: rerun the same command to resume"
-    return f"{lead}; no checkpoint is saved in {run_dir.path}, so a rerun of the same command starts from RL step 0"
+        return f"{lead}; RL steps before {steps[0][0]} are saved in {steps[0][1]}: rerun {rerun} to resume"
+    return f"{lead}; no checkpoint is saved in {run_dir.path}, so a rerun of {rerun} starts from RL step 0"
 
 
 def _mean(dicts: list[dict]) -> dict:

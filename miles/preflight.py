@@ -3,7 +3,7 @@
 the model's) and the tokenizer the model names (and transformers to read an HF tokenizer).
 
 Without these checks the same mistakes surface inside a Ray actor after its start-up (16 s for a missing
-SGLang), or as a placement group that waits forever for a GPU. A run that joins a cluster (``ray_address``)
+SGLang), or as a placement group that waits forever for a GPU. A run that joins a cluster (``cluster.address``)
 is checked only for what this machine decides: its actors run on other nodes, with their own packages and files.
 
     check_environment(cfg)      # raises ValueError / ImportError / FileNotFoundError naming the field and the fix
@@ -17,7 +17,7 @@ from pathlib import Path
 
 def check_environment(cfg) -> None:
     """Every check below, for a RunConfig ``cfg``."""
-    if cfg.ray_address:
+    if cfg.cluster.address:
         return
     check_device(cfg)
     check_sglang_installed(cfg)
@@ -25,9 +25,9 @@ def check_environment(cfg) -> None:
 
 
 def check_device(cfg) -> None:
-    """Refuse device=cuda on a machine without enough CUDA devices when Ray would run here (no ray_address):
+    """Refuse device=cuda on a machine without enough CUDA devices when Ray would run here (no cluster.address):
     the placement group would wait for a GPU that never comes."""
-    if cfg.device != "cuda" or cfg.ray_address:
+    if cfg.device != "cuda" or cfg.cluster.address:
         return
     import torch
 
@@ -35,7 +35,7 @@ def check_device(cfg) -> None:
     if have < need:
         raise ValueError(
             f"device = 'cuda' needs {need} CUDA device(s) (trainer.world_size = {need}) but this machine has {have} "
-            "and ray_address is empty (Ray runs here); use device=cpu (or auto), or ray_address=... to join a "
+            "and cluster.address is empty (Ray runs here); use device=cpu (or auto), or cluster.address=... to join a "
             "cluster that has the GPUs"
         )
 

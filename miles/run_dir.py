@@ -9,7 +9,8 @@ run_dir/
   config.json            the resolved RunConfig (written at a fresh start, or after a compatible resume loaded)
   metrics.jsonl          one row per RL step (and warm-up rows with "phase": "sft")
   ledger.jsonl           memory moves (LedgerEvent fields + step)
-  processes.jsonl        RSS / allocator samples per actor
+  processes.jsonl        RSS / allocator samples per actor, with the Ray node (node_id, node_ip) it ran on
+  placement.jsonl        where each actor ran, one row per actor at each (re)start: its pin, node, pid, rendezvous
   agent_episodes.jsonl   per-episode rows of agentic rollouts
   rollouts/step_000012/  one directory of per-token columns per RL step (miles.rollout_dump)
   checkpoints/step_000010/{model.safetensors, optimizer.pt, state.json}   (miles.checkpoints)
@@ -33,7 +34,7 @@ from miles.trackers import WANDB_RUN_ID
 
 log = logging.getLogger("miles")
 LOCK = "run.lock"
-JSONL = ("metrics.jsonl", "ledger.jsonl", "processes.jsonl", "agent_episodes.jsonl")
+JSONL = ("metrics.jsonl", "ledger.jsonl", "processes.jsonl", "placement.jsonl", "agent_episodes.jsonl")
 OUTPUTS = ("config.json", *JSONL, WANDB_RUN_ID, "rollouts", "checkpoints", "weights", "offload")  # what a run writes
 CONFIG_KEYS = {"recipe", "run_dir", "model", "trainer", "rollout"}  # a config.json that miles train wrote
 
@@ -146,6 +147,10 @@ class RunDir:
     def append_ledger(self, step: int, events, samples) -> None:
         self._append("ledger.jsonl", [{**asdict(e), "step": step} for e in events])
         self._append("processes.jsonl", [{**asdict(s), "step": step} for s in samples])
+
+    def append_placement(self, step: int, rows: list[dict]) -> None:
+        """Where the actors of a (re)start at RL step ``step`` run (miles.cluster_nodes.Placement.rows)."""
+        self._append("placement.jsonl", [{**r, "step": step} for r in rows])
 
     def rows(self, name: str) -> list[dict]:
         p = self.path / name

@@ -85,7 +85,7 @@ class RunPanel:
             if l.strip() and not l.startswith("#")
         ]
         if self.address.value.strip():
-            lines.append(f"ray_address={self.address.value.strip()}")
+            lines.append(f"cluster.address={self.address.value.strip()}")
         return apply_overrides(get_recipe(self.recipe.value), lines)
 
     def run(self, wait: bool = False) -> list[dict]:

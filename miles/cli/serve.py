@@ -16,7 +16,7 @@ import time
 
 from miles.config_args import ArgParser, add_config_args, config_from_args, print_config
 from miles.http_connections import HEAD_TIMEOUT_S, MAX_PER_CLIENT, guarded_protocol
-from miles.http_guard import API_KEY_ENV, allowed_hosts, api_key_from, exposure_warning
+from miles.http_guard import API_KEY_ENV, allowed_hosts, api_key_from, is_loopback
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -183,8 +183,15 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"miles serve: {e}", file=sys.stderr, flush=True)
         return 2
-    if warning := exposure_warning("miles serve", args.host, api_key):
-        print(warning, file=sys.stderr, flush=True)
+    if not is_loopback(args.host) and not api_key:  # an engine anyone could drive: refused, not warned about
+        print(
+            f"miles serve: --host {args.host} listens beyond this machine without an API key: anyone who can reach "
+            f"the port could generate and load weights. Set --api-key-file FILE (mode 600) or ${API_KEY_ENV}, or "
+            "bind 127.0.0.1",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 2
     sock = bind(args.host, args.port)  # before the engine is built: a taken port fails in a moment
     import torch  # the engine's imports (seconds) once the arguments and the config are known to be good
     import uvicorn

@@ -11,6 +11,8 @@ import os
 import time
 from dataclasses import asdict, dataclass, field
 
+from miles.nodes import this_node
+
 POOLS = ("device", "host", "disk")
 DIRECTIONS = ("in", "out")
 
@@ -47,6 +49,8 @@ class ProcessSample:
     rss_bytes: int
     device_allocated: int = 0
     device_reserved: int = 0
+    node_id: str = ""  # the Ray node the process ran on (miles.nodes.this_node; "" outside Ray)
+    node_ip: str = ""  # that node's address
 
 
 def process_rss_bytes() -> int:
@@ -83,7 +87,17 @@ class MemoryLedger:
                 allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
         except ImportError:  # pragma: no cover - torch is a base dependency
             pass
-        s = ProcessSample(time.time(), owner, phase or self.phase, process_rss_bytes(), allocated, reserved)
+        node = this_node()
+        s = ProcessSample(
+            time.time(),
+            owner,
+            phase or self.phase,
+            process_rss_bytes(),
+            allocated,
+            reserved,
+            node.node_id,
+            node.node_ip,
+        )
         self.samples.append(s)
         return s
 

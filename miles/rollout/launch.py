@@ -20,6 +20,8 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 
 import httpx
 
+from miles.http_guard import API_KEY_ENV, is_loopback
+from miles.nodes import node_env
 from miles.ports import free_port
 from miles.rollout.sglang_client import SGLangClient
 from miles.sglang_flags import STANDIN, engine_gpus, parse_port_range, sglang_server_flags
@@ -199,7 +201,7 @@ def spawn_miles_servers(
     fd, path = tempfile.mkstemp(prefix="miles-serve-", suffix=".json")
     with os.fdopen(fd, "w") as f:
         json.dump(d, f)
-    env = {"OMP_NUM_THREADS": str(cfg.num_threads)} if cfg.num_threads else {}
+    env = ({"OMP_NUM_THREADS": str(cfg.num_threads)} if cfg.num_threads else {}) | node_env()  # samples name it
     procs = [
         ServerProcess(
             miles_serve_argv(path, owner=f"engine/{i}", batch_wait_ms=batch_wait_ms),
@@ -258,11 +260,11 @@ SGLANG_HINT = (
 )
 
 
-def sglang_engine_argv(cfg, index: int, port: int, config_path: str = "") -> list[str]:
+def sglang_engine_argv(cfg, index: int, port: int, config_path: str = "", host: str = "127.0.0.1") -> list[str]:
     """The command of SGLang engine ``index`` for ``cfg`` (a RunConfig): ``python -m <rollout.sglang_launcher>``
     and SGLang's flags (miles.sglang_flags); the stand-in is ``miles serve`` taking the same flags plus
     the run config it builds its engine from."""
-    flags = sglang_server_flags(cfg.rollout, cfg.handoff, cfg.model.checkpoint, port)
+    flags = sglang_server_flags(cfg.rollout, cfg.handoff, cfg.model.checkpoint, port, host)
     if cfg.rollout.sglang_launcher != STANDIN:
         return [sys.executable, "-m", cfg.rollout.sglang_launcher, *flags]
     owner = ["--owner", f"engine/{index}", "--parent-pid", str(os.getpid())]
@@ -283,7 +285,7 @@ def spawn_sglang_servers(cfg, *, device: str = "", log_dir: str = "") -> list[Se
         with os.fdopen(fd, "w") as f:
             json.dump(d, f)
     log_dir = log_dir or tempfile.mkdtemp(prefix="miles-sglang-logs-")
-    env = {"OMP_NUM_THREADS": str(cfg.num_threads)} if cfg.num_threads else {}
+    env = ({"OMP_NUM_THREADS": str(cfg.num_threads)} if cfg.num_threads else {}) | node_env()  # samples name it
     gpus = (lambda i: {}) if r.sglang_launcher == STANDIN else (lambda i: {"CUDA_VISIBLE_DEVICES": _ids(r, i)})
     procs = [
         ServerProcess(
@@ -309,6 +311,39 @@ def spawn_sglang_servers(cfg, *, device: str = "", log_dir: str = "") -> list[Se
             p.stop()
         raise
     return procs
+
+
+def engine_server(
+    cfg, index: int, *, host: str, api_key: str, gpu_index: int = 0, device: str = "", log_dir: str = ""
+) -> ServerProcess:
+    """Engine ``index``'s server (not yet started) for ``cfg`` (a RunConfig), bound to ``host``: ``miles serve`` for
+    rollout.engine = http, the SGLang launcher (or its stand-in) for sglang, on the node-local GPUs of engine
+    ``gpu_index`` (miles.sglang_flags.engine_gpus). Bound beyond loopback only with ``api_key``, which the server
+    reads from its environment (real SGLang only from its --api-key flag)."""
+    if not is_loopback(host) and not api_key:
+        raise ValueError(
+            f"engine {index} would listen on {host}, reachable from other machines, without an API key: anyone who "
+            f"reaches the port could generate and load weights there. Set ${API_KEY_ENV} (the run generates one when "
+            "it launches engines on other nodes), or bind 127.0.0.1"
+        )
+    r = cfg.rollout
+    fd, config_path = tempfile.mkstemp(prefix="miles-serve-", suffix=".json")  # on this node: its disk may be its own
+    with os.fdopen(fd, "w") as f:
+        json.dump(cfg.to_dict() | ({"device": device} if device else {}), f)
+    env = ({"OMP_NUM_THREADS": str(cfg.num_threads)} if cfg.num_threads else {}) | node_env()
+    env |= {API_KEY_ENV: api_key} if api_key else {}
+    log_path = os.path.join(log_dir or tempfile.mkdtemp(prefix="miles-engine-logs-"), f"engine_{index}.log")
+    if r.engine == "http":
+        argv = miles_serve_argv(config_path, owner=f"engine/{index}", host=host)
+        return ServerProcess(argv, env=env, log_path=log_path)
+    ports = parse_port_range(r.sglang_ports)
+    port = ports[index] if ports else free_port(host)
+    argv = sglang_engine_argv(cfg, index, port, config_path, host=host)
+    if r.sglang_launcher != STANDIN:
+        argv += [] if "--api-key" in argv else ["--api-key", api_key]  # visible in `ps` on that node: SGLang's only way
+        env["CUDA_VISIBLE_DEVICES"] = _ids(r, gpu_index)
+    url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+    return ServerProcess(argv, url=url, ready_timeout_s=r.engine_ready_timeout_s, env=env, log_path=log_path)
 
 
 def _ids(rollout, index: int) -> str:

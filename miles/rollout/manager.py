@@ -18,10 +18,12 @@ from miles.agents.source import AgentSource
 from miles.config import RunConfig
 from miles.memory import MemoryLedger
 from miles.model.tokenizer import load_tokenizer
+from miles.nodes import NodeInfo, this_node
 from miles.policy.dapo import fill_groups, round_key
 from miles.protocols.engine import ReceivesInProcess, UpdateCalls, supports
 from miles.reward.scorer import calls_to_start, pool_for
 from miles.rollout.engine import EmbeddedEngine
+from miles.rollout.engine_host import hosted_engines
 from miles.rollout.launch import spawn_miles_servers, spawn_sglang_servers
 from miles.rollout.router import Router
 from miles.rollout.sglang_client import SGLangClient
@@ -40,9 +42,11 @@ class RolloutManager(UpdateCalls):
     """
 
     @init_on_compute_thread("rollout-compute")  # built and run on one thread: see miles/threads.py
-    def __init__(self, cfg: RunConfig, device: str = "cpu", source_factory=None):
+    def __init__(self, cfg: RunConfig, device: str = "cpu", source_factory=None, hosts: tuple = (), api_key: str = ""):
         """``source_factory(cfg, tokenizer, engines)`` makes the sample source when given (miles.cluster hands in
-        miles.envs.source.EnvSource for env.name); without it, the task, dataset or agent source as configured."""
+        miles.envs.source.EnvSource for env.name); without it, the task, dataset or agent source as configured.
+        ``hosts``: EngineHost actors that start the engine servers on their nodes (cluster.engine_nodes), reached
+        with ``api_key``; without them the engines live here or are launched beside this process."""
         heartbeat.name("rollout")  # under the stall watchdog: its stack file is rollout-<pid>.txt
         self.cfg = cfg
         if cfg.num_threads:
@@ -51,7 +55,9 @@ class RolloutManager(UpdateCalls):
         self.ledger = MemoryLedger()
         r = cfg.rollout
         policy = "host" if cfg.handoff.engine_host_mirror else "discard"
-        if r.engine == "http":  # the same engines behind `miles serve` processes (a Router when num_engines > 1)
+        if hosts:  # servers on the nodes cluster.engine_nodes names, started by their hosts (miles.rollout.engine_host)
+            self.engines = hosted_engines(cfg, list(hosts), api_key, self.ledger)
+        elif r.engine == "http":  # the same engines behind `miles serve` processes (a Router when num_engines > 1)
             self.engines = spawn_http_engines(cfg, device, self.ledger)
         elif r.engine == "sglang":  # SGLang servers, launched (one per engine) or attached (rollout.engine_urls)
             self.engines = sglang_engines(cfg, device, self.ledger)
@@ -283,9 +289,15 @@ class RolloutManager(UpdateCalls):
                 if hasattr(e, "url") or hasattr(e, "clients"):  # HTTP engines: a client or a Router
                     e.close()
 
+    def node(self) -> NodeInfo:
+        return this_node()
+
     def drain_ledger(self):
-        for i, _ in enumerate(self.engines):
-            self.ledger.sample_process(f"engine/{i}")
+        """Memory moves and process samples since the last drain: the embedded engines' process (this one) per
+        engine; engine servers sample themselves (their rows come with their ledgers), this process as "rollout"."""
+        embedded = self.cfg.rollout.engine == "embedded"
+        for owner in [f"engine/{i}" for i in range(len(self.engines))] if embedded else ["rollout"]:
+            self.ledger.sample_process(owner)
         return self.ledger.drain()
 
 

@@ -14,6 +14,8 @@ import torch
 from miles import heartbeat
 from miles.config import RunConfig
 from miles.memory import MemoryLedger
+from miles.nodes import NodeInfo, interface_of, this_node
+from miles.placement import local_ranks
 from miles.policy.objective import resolved_trainer
 from miles.ports import free_port
 from miles.threads import actor_options, init_on_compute_thread, on_compute_thread
@@ -26,33 +28,53 @@ def resolve_device(cfg: RunConfig) -> str:
 
 
 class TrainActor:
-    """actor = TrainActor(cfg, rank, world_size, master_addr, master_port)
+    """actor = TrainActor(cfg, rank, world_size)
+    addr, port = actor.rendezvous_address()       # on rank 0: its node's address and a port free there
+    actor.join(addr, port, local_rank, local_world_size)   # every rank: the torch.distributed world
     actor.connect_sync([rollout_manager]); actor.train(step, batch); actor.offload(tags); actor.update_weights(v)
     """
 
     @init_on_compute_thread("train-compute")  # built and run on one thread: see miles/threads.py
-    def __init__(
-        self, cfg: RunConfig, rank: int, world_size: int, master_addr: str = "127.0.0.1", master_port: int = 0
-    ):
+    def __init__(self, cfg: RunConfig, rank: int, world_size: int):
         heartbeat.name(f"train-{rank}")  # under the stall watchdog: its stack file is train-<rank>-<pid>.txt
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
         self.device = resolve_device(cfg)
-        if world_size > 1:
-            import torch.distributed as dist
-
-            if self.device == "cuda":
-                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) if torch.cuda.device_count() > 1 else 0)
-            dist.init_process_group(
-                "nccl" if self.device == "cuda" else "gloo",
-                init_method=f"tcp://{master_addr}:{master_port}",
-                rank=rank,
-                world_size=world_size,
-            )
+        self.rendezvous = ""  # "addr:port" this rank joined its world at (join)
         self.ledger = MemoryLedger()
         self.backend = None  # built by the plan's trainer.build step (build): after the engines, as priced
         self.sync = None
+
+    def node(self) -> NodeInfo:
+        return this_node()
+
+    def rendezvous_address(self) -> tuple[str, int]:
+        """Rank 0's side of the rendezvous: the address of this node, which the other ranks reach it at, and a port
+        free on it (chosen here: the driver's machine says nothing about this node's ports)."""
+        addr = this_node().node_ip or "127.0.0.1"
+        return addr, free_port(addr)
+
+    @on_compute_thread
+    def join(self, master_addr: str, master_port: int, local_rank: int = 0, local_world_size: int = 1) -> str:
+        """Join the trainer's torch.distributed world at rank 0's ``master_addr:master_port``; ``local_rank`` among
+        the ranks on this node (LOCAL_RANK, LOCAL_WORLD_SIZE, as torchrun sets them). Returns where it rendezvoused."""
+        os.environ.update(LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(local_world_size))
+        if self.world_size > 1:
+            import torch.distributed as dist
+
+            if self.device == "cuda":  # Ray gives each rank its own GPU (one visible device) unless told otherwise
+                torch.cuda.set_device(local_rank if torch.cuda.device_count() > 1 else 0)
+            elif "GLOO_SOCKET_IFNAME" not in os.environ and (ifname := interface_of(this_node().node_ip)):
+                os.environ["GLOO_SOCKET_IFNAME"] = ifname  # gloo's own guess, the hostname, may name a loopback address
+            dist.init_process_group(
+                "nccl" if self.device == "cuda" else "gloo",
+                init_method=f"tcp://{master_addr}:{master_port}",
+                rank=self.rank,
+                world_size=self.world_size,
+            )
+        self.rendezvous = f"{master_addr}:{master_port}"
+        return self.rendezvous
 
     def ready(self) -> bool:
         return True
@@ -176,7 +198,8 @@ def read_checkpoint_files(directory: str) -> dict:
 class TrainGroup:
     """The driver's view of all train ranks: each method runs on every rank and returns the per-rank results.
 
-    group = TrainGroup(cfg, placement_group, num_gpus_per_actor=0)
+    group = TrainGroup(cfg, placement_group, num_gpus_per_actor=0)   # ranks started, rendezvoused at rank 0's node
+    group.nodes; group.rendezvous                          # where each rank runs; the "addr:port" each one joined at
     group.connect_sync([rollout_manager])
     results = group.train(batches, want_log_probs=False)   # one batch per rank -> [(metrics, log_probs)] per rank
     group.offload(tags); group.onload(tags); metrics = group.update_weights(version)[0]
@@ -190,7 +213,6 @@ class TrainGroup:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        port = free_port()
         n = cfg.trainer.world_size
         cls = ray.remote(TrainActor)
         rdt = {}
@@ -204,18 +226,23 @@ class TrainGroup:
                 num_cpus=0.01,
                 num_gpus=num_gpus_per_actor,
                 **rdt,
-                **actor_options(concurrency, {"LOCAL_RANK": str(r) if num_gpus_per_actor else "0", **(env or {})}),
+                **actor_options(concurrency, env),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group, placement_group_bundle_index=r),
-            ).remote(cfg, r, n, "127.0.0.1", port)
+            ).remote(cfg, r, n)
             for r in range(n)
         ]
+        self.nodes: list[NodeInfo] = []
+        self.rendezvous: list[str] = []
         if wait:
             self.wait_ready()
 
     def wait_ready(self) -> None:
-        import ray
-
-        ray.get([a.ready.remote() for a in self.actors])
+        """Wait for every rank's process, then form the world at rank 0's node: its address and a port free there,
+        each rank's LOCAL_RANK among the ranks on its own node."""
+        self.nodes = gather([a.node.remote() for a in self.actors])
+        addr, port = gather([self.actors[0].rendezvous_address.remote()])[0]
+        local = local_ranks([n.node_id for n in self.nodes])
+        self.rendezvous = gather([a.join.remote(addr, port, *lr) for a, lr in zip(self.actors, local)])
 
     def connect_sync(self, engines) -> list:
         return self._all("connect_sync", engines)
@@ -267,11 +294,19 @@ class TrainGroup:
         return self._all("close")
 
     def _all(self, method: str, *args, **kwargs) -> list:
-        import ray
-
-        return ray.get([getattr(a, method).remote(*args, **kwargs) for a in self.actors])
+        return gather([getattr(a, method).remote(*args, **kwargs) for a in self.actors])
 
     def _each(self, method: str, per_rank_args: list, **kwargs) -> list:
-        import ray
+        return gather([getattr(a, method).remote(x, **kwargs) for a, x in zip(self.actors, per_rank_args)])
 
-        return ray.get([getattr(a, method).remote(x, **kwargs) for a, x in zip(self.actors, per_rank_args)])
+
+def gather(refs: list) -> list:
+    """``ray.get(refs)``, but the first failure is raised as soon as it is known: a rank that died leaves the others
+    waiting in a collective, and ``ray.get`` of them all would wait with them."""
+    import ray
+
+    pending = list(refs)
+    while pending:
+        done, pending = ray.wait(pending, num_returns=1)
+        ray.get(done)  # raises the failed rank's error now
+    return ray.get(refs)

@@ -71,17 +71,20 @@ def _version_with(url: str, key: str) -> str:
     return httpx.get(url + "/get_weight_version", headers={"Authorization": f"Bearer {key}"}).json()["weight_version"]
 
 
-def test_binding_beyond_loopback_without_a_key_warns_and_a_taken_port_is_one_clear_error(capsys):
+def test_binding_beyond_loopback_without_a_key_is_refused_and_a_taken_port_is_one_clear_error(capsys, monkeypatch):
     assert exposure_warning("miles serve", "127.0.0.1", "") == ""
     assert exposure_warning("miles serve", "0.0.0.0", "k") == ""
+    monkeypatch.delenv("MILES_API_KEY", raising=False)
+    assert serve_main(["--host", "0.0.0.0", "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "--host 0.0.0.0 listens beyond this machine without an API key" in err and "--api-key-file" in err
+    monkeypatch.setenv("MILES_API_KEY", "k")
     with socket.socket() as taken:
         taken.bind(("0.0.0.0", 0))
         taken.listen(1)
         port = taken.getsockname()[1]
         with pytest.raises(OSError, match=rf"miles serve cannot listen on 0.0.0.0:{port} \(.*\); pick another --port"):
             serve_main(["--host", "0.0.0.0", "--port", str(port)])
-    err = capsys.readouterr().err
-    assert "WARNING miles serve: listening on 0.0.0.0 without an API key" in err and "--api-key" in err
     with pytest.raises(SystemExit):
         serve_main(["--port", "99999"])
     assert "'99999' is not a port; use 0..65535" in capsys.readouterr().err
