@@ -306,14 +306,13 @@ def smollm2_tools() -> RunConfig:
     episode). The baseline is the same run without the tool: --set env.args='{"tools": false}' (same budget and
     seeds); `miles bench real-model --recipe smollm2_tools --minutes N` runs either on one H200."""
     from miles.envs import calculator
-    from miles.model.checkpoint import config_from_checkpoint
+    from miles.model.from_checkpoint import config_from_checkpoint
 
-    path = smollm2_gguf_path()
-    model = config_from_checkpoint(path, tokenizer=f"hf:{path}", max_position_embeddings=1024)
+    model = config_from_checkpoint(smollm2_gguf_path())  # its tokenizer and chat template come with it
     train, test = calculator.splits(20000)
     d = quickstart().to_dict()
     d.update(recipe="smollm2_tools", run_dir="runs/smollm2_tools", num_steps=200, checkpoint_every=0, device="auto")
-    d["model"] = model.as_dict()
+    d["model"] = model.as_dict() | {"max_position_embeddings": 1024}
     d["rollout"].update(
         num_prompts_per_step=32,
         n_samples_per_prompt=8,
