@@ -4,7 +4,8 @@
 # Each run: 20 supervised warm-up steps on the environment's demonstrations, then GRPO until MINUTES of wall time;
 # held-out eval (128 problems, greedy + 4 samples) before RL and every 5 steps; tool calls per episode per step.
 # From the repository root (the bundle carried along as for the other GPU scripts; the GGUF relayed as before):
-#   MILES_SMOLLM2_GGUF=/path/SmolLM2-135M-Instruct.Q4_1.gguf bash benchmarks/gpu_tools.sh "$OUT" [MINUTES]
+#   MILES_SMOLLM2_GGUF=/path/SmolLM2-135M-Instruct.Q4_1.gguf bash benchmarks/gpu_tools.sh "$OUT" [MINUTES] [RUNS]
+# RUNS: "smollm2_tools smollm2_tools_no_tools" (default) or one of them, so each fits one 10-minute device call.
 # Writes $OUT/real-model-smollm2_tools{,_no_tools}.gpu.json (+ .metrics.jsonl); benchmarks/results/real-model.gpu.json
 # (notebook 10's smollm2_math run) is put back as it was.
 set -o pipefail
@@ -21,7 +22,7 @@ if [ -x .gpubundle/install.sh ] && [ ! -d /tmp/site/ray ]; then
 fi
 nvidia-smi --query-gpu=name,memory.used --format=csv,noheader 2>&1 | tee "$OUT/gpu.txt"
 cp benchmarks/results/real-model.gpu.json "$OUT/.real-model.keep.json" 2>/dev/null
-for run in smollm2_tools smollm2_tools_no_tools; do
+for run in ${3:-smollm2_tools smollm2_tools_no_tools}; do
   extra=()
   [ $run = smollm2_tools_no_tools ] && extra=(--set 'env.args={"tools": false}' --set run_dir=runs/smollm2_tools_no_tools)
   say "$run: miles bench real-model --recipe smollm2_tools --minutes $MIN ${extra[*]}"
