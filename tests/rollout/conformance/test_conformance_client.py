@@ -15,6 +15,7 @@ import time
 
 import httpx
 import pytest
+import torch
 
 from miles.protocols.engine import GenerateRequest, SamplingParams
 from miles.rollout.sglang_client import SGLangClient
@@ -137,3 +138,16 @@ def test_pause_continue_flush_group_ranks_and_health(servers):
     c.flush_cache()
     c.continue_generation()
     assert c.group_ranks() == 1 and c.healthy()
+
+
+def test_update_weights_from_tensor_sends_sglangs_payload_and_a_string_version(servers):
+    """The body SGLang's UpdateWeightsFromTensorReqInput takes: serialized_named_tensors (MultiprocessingSerializer
+    strings), load_format null, flush_cache, weight_version a string."""
+    s = servers("client-weights")
+    c = sg(s)
+    engine = s.server.engine
+    name = "model.norm.weight"
+    new = engine.named_weights()[name] + 1.5
+    c.update_weights_from_tensor([(name, new)], version=5)
+    assert torch.equal(engine.named_weights()[name], new) and c.weight_version == 5
+    assert httpx.get(s.url + "/model_info").json()["weight_version"] == "5"

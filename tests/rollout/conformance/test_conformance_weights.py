@@ -135,3 +135,56 @@ def test_update_weights_from_disk_loads_a_hf_checkpoint_directory(servers, tmp_p
     assert r.status_code == 200 and r.json()["success"] is True and r.json()["num_paused_requests"] == 0
     assert all(torch.equal(engine.named_weights()[k], v) for k, v in src.items())
     assert httpx.get(s.url + "/model_info").json()["weight_version"] == "disk-1"
+
+
+CUDA_SENDER = textwrap.dedent(
+    """
+    import base64, io, json, sys
+    import httpx, torch
+    import torch.multiprocessing.reductions as reductions
+    from multiprocessing.reduction import ForkingPickler
+
+    url, uuid_device, spec = sys.argv[1], sys.argv[2] == "uuid", json.loads(sys.argv[3])
+    if uuid_device:  # what sglang's monkey_patch_torch_reductions sends: the device's UUID in place of its index
+        original = reductions.reduce_tensor
+        def reduce_tensor(t):
+            fn, args = original(t)
+            if fn is reductions.rebuild_cuda_tensor:
+                args = args[:6] + (str(torch.cuda.get_device_properties(args[6]).uuid),) + args[7:]
+            return fn, args
+        ForkingPickler.register(torch.Tensor, reduce_tensor)
+    torch.manual_seed(spec["seed"])
+    named = [(n, torch.randn(s).to(getattr(torch, d)).cuda()) for n, (s, d) in spec["weights"].items()]
+    buf = io.BytesIO()
+    ForkingPickler(buf).dump(named)
+    body = {"serialized_named_tensors": [base64.b64encode(buf.getvalue()).decode()], "load_format": None,
+            "flush_cache": False, "weight_version": "9"}
+    r = httpx.post(url + "/update_weights_from_tensor", json=body, timeout=120)
+    torch.cuda.synchronize()
+    print(json.dumps({"status": r.status_code, "body": r.json()}))
+    """
+)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("device_as", ["index", "uuid"])
+def test_a_cuda_ipc_payload_updates_a_cuda_engine(conf_cfg, device_as):
+    """SGLang's and slime's colocated path on a GPU: CUDA IPC handles (with SGLang's device-UUID patch too)."""
+    from miles.rollout.server import EngineServer, build_engine
+    from tests.rollout.conftest import ThreadedServer
+
+    with ThreadedServer(EngineServer(build_engine(conf_cfg, "cuda"))) as s:
+        engine = s.server.engine
+        spec = _spec(engine, ["model.norm.weight", "model.layers.0.mlp.up_proj.weight"], seed=6)
+        out = subprocess.run(
+            [sys.executable, "-c", CUDA_SENDER, s.url, device_as, json.dumps(spec)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert out.returncode == 0, out.stderr[-2000:]
+        answer = json.loads(out.stdout.strip().splitlines()[-1])
+        assert answer["status"] == 200, answer
+        got = engine.named_weights()
+        for n, t in _expected(spec).items():
+            assert torch.equal(got[n].cpu(), t), n
