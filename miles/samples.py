@@ -24,7 +24,8 @@ class Sample:
     finish_reason: str = ""  # "stop", "length" or "abort"
     reward: float = 0.0
     advantage: float = 0.0
-    weight_version: int = 0
+    weight_version: int = 0  # the engine's version when the response finished
+    token_versions: list[int] = field(default_factory=list)  # per response token: the version it was sampled under
     metadata: dict = field(default_factory=dict)
 
     @property

@@ -15,7 +15,7 @@ import time
 
 from miles.data.config import DataConfig
 from miles.data.dataset import BadRowError, PromptDataset, PromptRow, load_split
-from miles.protocols.engine import GenerateRequest, SamplingParams
+from miles.protocols.engine import GenerateRequest, SamplingParams, token_versions
 from miles.protocols.reward import Reward, RewardError
 from miles.reward.catalog import BUILTIN, reward_for
 from miles.reward.pool import RewardPool
@@ -79,7 +79,7 @@ def complete(engines, samples: list[Sample], sampling: SamplingParams, seed: int
     stop = set(tokenizer.stop_token_ids)
     for s, o in zip(samples, outs, strict=True):
         s.response_ids, s.rollout_log_probs = o.output_ids, o.output_log_probs
-        s.finish_reason, s.weight_version = o.finish_reason, o.weight_version
+        s.finish_reason, s.weight_version, s.token_versions = o.finish_reason, o.weight_version, token_versions(o)
         s.response_text = tokenizer.decode([t for t in o.output_ids if t not in stop])
 
 

@@ -55,8 +55,19 @@ class GenerateOutput:
     output_ids: list[int]
     output_log_probs: list[float]
     finish_reason: str  # "stop" | "length" | "abort"
-    weight_version: int
+    weight_version: int  # the engine's version when the request finished
     retractions: int = 0  # times pause_generation("retract") sent it back to the queue
+    # the weight version each output token was sampled under (a weight update between decode steps changes it for
+    # the rows in flight); empty from an engine that does not report it: see token_versions
+    output_versions: list[int] = field(default_factory=list)
+
+
+def token_versions(out: GenerateOutput) -> list[int]:
+    """The weight version of each output token: the engine's per-token versions, or, from an engine that reports
+    only one version per request (SGLang), that version for every token."""
+    if out.output_versions:
+        return list(out.output_versions)
+    return [out.weight_version] * len(out.output_ids)
 
 
 class EngineError(ValueError):

@@ -12,6 +12,12 @@ wait, otherwise only when the first row reaches its length, which the host knows
 A call made while another one runs joins it: its requests enter the running loop's queue (and take its
 random stream; their seed is not used), and the call returns when its own requests are done.
 
+Every token carries the weight version it was sampled under (``GenerateOutput.output_versions``): a weight update
+lands between two decode steps (it takes the engine's lock, which each step holds), and the rows in flight continue
+under the new version, their KV cache kept; after ``pause_generation("retract")`` they are prefilled again (the KV
+recomputed) under the version held at continue. The loop notes the version at every step it runs (a host integer,
+no device read) and each row keeps the spans it crossed.
+
 A request may carry a ``watch`` (miles.protocols.engine.RowWatch: stop strings, streaming): at each check the loop
 shows it the row's tokens so far, and a returned count ends the row there (finish reason "stop"). Rows with
 ``min_new_tokens`` have their stop tokens suppressed (logits -inf) until they have that many tokens, as SGLang's
@@ -126,12 +132,14 @@ class _Call:
 
 @dataclass(slots=True)
 class _Carry:
-    """What a retracted row had: its original request, its tokens and log-probs so far, how often it was retracted."""
+    """What a retracted row had: its original request, its tokens, log-probs and their weight versions so far, how
+    often it was retracted."""
 
     req: object
     ids: list = field(default_factory=list)
     lps: list = field(default_factory=list)
     retractions: int = 0
+    versions: list = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -142,6 +150,15 @@ class _Row:
     prefix_slot: int  # the slot whose KV holds this row's prompt (its own, or its group's first)
     carry: _Carry | None = None
     steps: int = 1  # tokens generated (the host's count: exact unless a stop token ended the row earlier)
+    spans: list = field(default_factory=list)  # (first token index, weight version) each time the version changed
+
+
+def versions_of(spans: list, n: int) -> list[int]:
+    """The weight version of each of a row's first ``n`` tokens, from its (first token index, version) spans."""
+    out: list[int] = []
+    for (start, v), nxt in zip(spans, [*spans[1:], (n, None)]):
+        out += [v] * max(0, min(nxt[0], n) - start)
+    return out
 
 
 def buckets(max_rows: int) -> list[int]:
@@ -240,18 +257,27 @@ class DecodeLoop:
             suppress = any(s.min_new_tokens > 0 for s in reqs)
             bound = max(len(r.req.input_ids) + r.steps for r in active.values())  # per step: no loop over rows
             steps, done = self._steps_until_check(active, bool(waiting or self._inbox)), 0
+            changes: list[tuple[int, int]] = []  # (step of this chunk, weight version) where the version changed
             while done < steps:
                 while not e._running.wait(0.05):  # paused in place: aborts and a retract still get through
                     if e._retract or self._abort_requested(active):
                         break
                 if self._abort_requested(active) or e._retract:
                     break
-                with e._lock:
+                with e._lock:  # a pause or a weight update waits for the step; the step sees one version whole
+                    if not e._running.is_set():
+                        continue  # paused between the wait above and the lock
                     e._step(R, bound=bound + done, flexible=flexible, suppress=suppress)
+                    version = e.weight_version
+                if not changes or changes[-1][1] != version:
+                    changes.append((done, version))
                 done += 1
             self.stats["steps"] += done
             beat()  # progress for the stall watchdog (miles.heartbeat): cheap, at most a file touch per 0.5 s
             for r in active.values():
+                for d, v in changes:
+                    if r.spans[-1][1] != v:
+                        r.spans.append((r.steps + d, v))
                 r.steps += done
             self._retire(active)
             if e._retract and active:
@@ -282,6 +308,7 @@ class DecodeLoop:
     # ---- admission: prefill once per distinct prompt ----------------------------------------------------------
     def _admit(self, take: list, slots: list[int], active: dict[int, _Row]) -> None:
         groups: dict[tuple, list[int]] = {}
+        version: dict[int, int] = {}  # slot -> the weight version its first token was sampled under
         for (_, _, req, _), slot in zip(take, slots):
             groups.setdefault(tuple(req.input_ids), []).append(slot)
         by_slot = {slot: item for item, slot in zip(take, slots)}
@@ -290,18 +317,19 @@ class DecodeLoop:
         chunk: list[tuple] = []
         for p in prompts:
             if chunk and (len(chunk) + 1) * len(p) > self.prefill_tokens:
-                self._prefill(chunk, groups, by_slot)
+                version |= self._prefill(chunk, groups, by_slot)
                 chunk = []
             chunk.append(p)
         if chunk:
-            self._prefill(chunk, groups, by_slot)
+            version |= self._prefill(chunk, groups, by_slot)
         for slot in slots:
             call, i, req, carry = by_slot[slot]
-            active[slot] = _Row(call, i, req, prefix_slot=holder[slot], carry=carry)
+            active[slot] = _Row(call, i, req, prefix_slot=holder[slot], carry=carry, spans=[(0, version[slot])])
         self.stats["prefills"] += len(prompts)
         self.stats["admitted"] += len(slots)
 
-    def _prefill(self, prompts: list[tuple], groups: dict, by_slot: dict) -> None:
+    def _prefill(self, prompts: list[tuple], groups: dict, by_slot: dict) -> dict[int, int]:
+        """Prefill the prompts and sample each row's first token; returns {slot: the weight version used}."""
         e, st, dev = self.e, self.e.state, self.e.device
         P = max(len(p) for p in prompts)
         ids = torch.zeros(len(prompts), P, dtype=torch.long)
@@ -340,6 +368,7 @@ class DecodeLoop:
                 top_k_R=st.top_k[slots_t] if flexible else None,
             )
             advance(st, slots_t, tok, e.model.kernels.sampled_log_probs(logits, tok, temperature, lp))
+            return dict.fromkeys(slots, e.weight_version)
 
     def _reset_rows(self, slots_t: torch.Tensor, reqs: list, holders: list[int]) -> None:
         """The admitted rows' state, written with one host-to-device copy per dtype. ``holders``: the slot holding
@@ -401,7 +430,7 @@ class DecodeLoop:
             n = min(num_gen[i], cut.get(i, num_gen[i]))
             reason = "stop" if (stopped[i] or i in cut) else "abort" if slots[i] in aborted else "length"
             e._aborted.discard(row.req.rid)
-            row.call.put(row.i, _output(e, row.req, row.carry, ids[:n], lps[:n], reason))
+            row.call.put(row.i, _output(e, row.req, row.carry, ids[:n], lps[:n], reason, versions_of(row.spans, n)))
 
     def _aborts(self, row: _Row) -> bool:
         return self.e._abort_all or row.req.rid in self.e._aborted
@@ -420,7 +449,8 @@ class DecodeLoop:
             row = active.pop(s)
             n = num_gen[j]
             prior = row.carry or _Carry(row.req)
-            carry = _Carry(prior.req, prior.ids + ids[j][:n], prior.lps + lps[j][:n], prior.retractions + 1)
+            versions = prior.versions + versions_of(row.spans, n)
+            carry = _Carry(prior.req, prior.ids + ids[j][:n], prior.lps + lps[j][:n], prior.retractions + 1, versions)
             back.append((row.call, row.i, _continued(prior.req, carry), carry))
         waiting.extendleft(reversed(back))
         self.stats["retracted"] = self.stats.get("retracted", 0) + len(back)
@@ -449,10 +479,11 @@ def _continued(req, carry: _Carry):
     return replace(req, input_ids=list(req.input_ids) + carry.ids, sampling=sampling)
 
 
-def _output(e, req, carry: _Carry | None, ids: list, lps: list, reason: str):
+def _output(e, req, carry: _Carry | None, ids: list, lps: list, reason: str, versions: list | None = None):
     """The output of ``req`` (a retracted one's original request, its earlier tokens first)."""
+    versions = versions or []
     if carry is None:
-        return e._output(req, ids, lps, reason)
-    out = e._output(carry.req, carry.ids + ids, carry.lps + lps, reason)
+        return e._output(req, ids, lps, reason, versions)
+    out = e._output(carry.req, carry.ids + ids, carry.lps + lps, reason, carry.versions + versions)
     out.retractions = carry.retractions
     return out

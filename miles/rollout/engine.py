@@ -189,9 +189,16 @@ class EmbeddedEngine(UpdateCalls):
         else:  # the whole step (forward, sampling, bookkeeping) is one graph: one launch per step
             self.graphs.run(("step", R), lambda: (forward(), finish()))
 
-    def _output(self, req: GenerateRequest, ids: list[int], lps: list[float], reason: str) -> GenerateOutput:
+    def _output(
+        self, req: GenerateRequest, ids: list[int], lps: list[float], reason: str, versions: list[int]
+    ) -> GenerateOutput:
         return GenerateOutput(
-            rid=req.rid, output_ids=ids, output_log_probs=lps, finish_reason=reason, weight_version=self.weight_version
+            rid=req.rid,
+            output_ids=ids,
+            output_log_probs=lps,
+            finish_reason=reason,
+            weight_version=self.weight_version,
+            output_versions=versions,
         )
 
     # ---- control surface ----------------------------------------------------------------------------------
@@ -210,8 +217,9 @@ class EmbeddedEngine(UpdateCalls):
             raise EngineError(f"pause_generation mode {mode!r} is not supported; use 'abort', 'retract' or 'in_place'")
         if mode == "abort":
             self.abort("all")
-        self._retract = mode == "retract"
-        self._running.clear()
+        with self._lock:  # once this returns no decode step runs until continue_generation
+            self._retract = mode == "retract"
+            self._running.clear()
 
     def continue_generation(self) -> None:
         self._retract = False
@@ -312,10 +320,11 @@ class EmbeddedEngine(UpdateCalls):
     def set_weight_version(self, version: int) -> None:
         """Set the version; an update opened by ``begin_weight_update`` is committed into the weights first."""
         receiver = self.weight_receiver()
-        names = [s.name for s in receiver.manifest.specs] if receiver.is_open else []
-        if receiver.commit():
-            self._unsynced.difference_update(id(self._target(n)) for n in names)
-        self.weight_version = int(version)
+        with self._lock:  # weights and version change together between two decode steps
+            names = [s.name for s in receiver.manifest.specs] if receiver.is_open else []
+            if receiver.commit():
+                self._unsynced.difference_update(id(self._target(n)) for n in names)
+            self.weight_version = int(version)
 
     # ---- weight sync, receive side (transactions, broadcast, RDT; see miles.sync.receiver) ---------------------
     def weight_receiver(self):

@@ -16,7 +16,7 @@ import time
 from typing import Protocol
 
 from miles.config import RunConfig
-from miles.protocols.engine import GenerateRequest, SamplingParams
+from miles.protocols.engine import GenerateRequest, SamplingParams, token_versions
 from miles.reward.pool import RewardPool
 from miles.reward.scorer import Job, ScoreReport, scorer_for
 from miles.rollout.tasks import Task
@@ -84,7 +84,7 @@ class TaskSource:
         stop = set(self.tokenizer.stop_token_ids)
         for s, o in zip(samples, outs, strict=True):
             s.response_ids, s.rollout_log_probs = o.output_ids, o.output_log_probs
-            s.finish_reason, s.weight_version = o.finish_reason, o.weight_version
+            s.finish_reason, s.weight_version, s.token_versions = o.finish_reason, o.weight_version, token_versions(o)
             s.response_text = self.tokenizer.decode([t for t in o.output_ids if t not in stop])
         return samples, {"time/generate": t_gen}
 
