@@ -20,7 +20,7 @@ import time
 from dataclasses import asdict, dataclass
 
 from miles.http_guard import API_KEY_ENV
-from miles.nodes import NodeInfo, check_shared_dir, lost_nodes, this_node
+from miles.nodes import NodeInfo, check_shared_dir, lost_nodes, this_node, unreachable_nodes
 from miles.placement import pin_options, same_host_refusal
 from miles.sglang_flags import STANDIN
 from miles.threads import actor_options
@@ -135,17 +135,19 @@ class Placement:
         return "; ".join(f"{ip}: {', '.join(owners)}" for ip, owners in by_node.items())
 
     def lost(self, exc: BaseException, wait_s: float = LOST_WAIT_S) -> NodeLostError | None:
-        """After ``exc`` from a call into the cluster: the NodeLostError naming the run's node(s) the cluster no
-        longer counts alive, waiting up to ``wait_s`` for its verdict when ``exc`` says an actor died; else None."""
-        from ray.exceptions import RayActorError
-
+        """After ``exc`` from a call into the cluster: a NodeLostError naming the run's node(s) the cluster counts
+        dead, or whose raylet no longer answers (then up to ``wait_s`` is given to the cluster's verdict, which its
+        health checks take seconds to reach); None when every node of the run is there."""
         ids = [p.node.node_id for p in self.places if p.node.node_id]
         if not ids:
             return None
-        died = isinstance(exc, RayActorError) or isinstance(getattr(exc, "cause", None), RayActorError)
-        deadline = time.monotonic() + (wait_s if died else 0.0)
-        while not (gone := lost_nodes(ids)) and time.monotonic() < deadline:
+        gone = lost_nodes(ids)
+        suspects = {} if gone else unreachable_nodes(ids)
+        deadline = time.monotonic() + wait_s
+        while suspects and not gone and time.monotonic() < deadline:
             time.sleep(1.0)
+            gone = lost_nodes(suspects)
+        gone = gone or suspects  # a raylet silent for the whole wait is as good as gone
         if not gone:
             return None
         lines = [

@@ -118,6 +118,25 @@ def lost_nodes(node_ids) -> dict[str, str]:
     }
 
 
+def unreachable_nodes(node_ids, timeout_s: float = 3.0) -> dict[str, str]:
+    """{node_id: address} of the given nodes whose raylet does not accept a connection now: a node that was killed or
+    cut off, seconds before the cluster's health checks declare it dead."""
+    import ray
+
+    rows = {n["NodeID"]: n for n in ray.nodes()}
+    out = {}
+    for nid in dict.fromkeys(node_ids):
+        row = rows.get(nid)
+        if row is None or not row.get("Alive", False):
+            continue
+        try:
+            with socket.create_connection((row["NodeManagerAddress"], row["NodeManagerPort"]), timeout=timeout_s):
+                pass
+        except OSError:
+            out[nid] = row["NodeManagerAddress"]
+    return out
+
+
 class SharedStorageError(RuntimeError):
     """A node of the run does not see the run directory the driver writes."""
 

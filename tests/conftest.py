@@ -6,6 +6,8 @@
 - ``notebook``: the notebooks, run top to bottom by nbval;
 - ``gpu``: needs a CUDA device (skipped without one).
 
+Within ``procs``, ``cluster`` marks the tests that start a Ray cluster of several nodes on this machine (minutes).
+
 Every collected item gets exactly one of them, from its file (PROCS, BROWSER) or its kind, so that for example
 ``python -m pytest -m unit`` runs the fast tier and ``-m "not notebook"`` leaves the notebooks out.
 """
@@ -62,6 +64,7 @@ PROCS = {  # test files that start Ray, child processes, process groups or HTTP 
     "sync/test_sync_transports.py",
     "sync/test_weight_group.py",
     "test_cli.py",
+    "test_cluster_nodes.py",
     "test_cluster_start.py",
     "test_driver.py",
     "test_ray_errors.py",
@@ -69,6 +72,7 @@ PROCS = {  # test files that start Ray, child processes, process groups or HTTP 
     "test_watchdog.py",
     "train/test_fsdp2.py",
 }
+CLUSTER = {"test_cluster_nodes.py"}  # a Ray cluster of two nodes (tests/ray_nodes.py): also marked `cluster`
 BROWSER = {
     "dashboard/test_dashboard_browser.py",
     "dashboard/test_dashboard_long_run.py",
@@ -96,6 +100,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         t = tier(item)
         item.add_marker(getattr(pytest.mark, t))
+        if os.path.relpath(str(item.path), TESTS).replace(os.sep, "/") in CLUSTER:
+            item.add_marker(pytest.mark.cluster)
         if t == "gpu" and skip is not None:
             item.add_marker(skip)
 
