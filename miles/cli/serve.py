@@ -196,13 +196,14 @@ def main(argv: list[str] | None = None) -> int:
     import torch  # the engine's imports (seconds) once the arguments and the config are known to be good
     import uvicorn
 
+    from miles.rollout.engine import EmbeddedEngine
     from miles.rollout.launch import READY_PREFIX
-    from miles.rollout.server import EngineServer, build_engine
+    from miles.rollout.server import EngineServer
 
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    engine = build_engine(cfg, device, args.owner)
+    engine = EmbeddedEngine.from_config(cfg, device, args.owner)
     server = EngineServer(
         engine,
         batch_wait_ms=args.batch_wait_ms,

@@ -54,7 +54,6 @@ class EmbeddedEngine(UpdateCalls):
         ledger: MemoryLedger | None = None,
         owner: str = "engine/0",
         weights_policy: str = "discard",
-        logprob_chunk_size: int = 1024,  # kept for callers; the fused sampler needs no chunking
         true_on_policy: bool = False,
         share_prefix: bool | None = None,
     ):
@@ -64,7 +63,6 @@ class EmbeddedEngine(UpdateCalls):
         self.cfg, self.device = model_cfg, torch.device(device)
         self.max_batch_size = max_batch_size
         self.max_seq_len = max_seq_len or model_cfg.max_position_embeddings
-        self.logprob_chunk_size = logprob_chunk_size
         kernels = kernels_for(true_on_policy)
         self.model = build_decoder(model_cfg, seed=seed, device=self.device, kernels=kernels)
         self.model.eval().requires_grad_(False)
@@ -103,6 +101,24 @@ class EmbeddedEngine(UpdateCalls):
         self._gen: torch.Generator | None = None
 
     # ---- generation -------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_config(cls, cfg, device, owner: str = "engine/0", ledger: MemoryLedger | None = None) -> "EmbeddedEngine":
+        """The engine of a run (``cfg``: a RunConfig): the one the RolloutManager holds in-process and the one
+        ``miles serve`` serves."""
+        r = cfg.rollout
+        return cls(
+            cfg.model,
+            max_batch_size=r.max_batch_size,
+            max_seq_len=r.max_seq_len,
+            device=device,
+            seed=cfg.seed,
+            ledger=ledger,
+            owner=owner,
+            weights_policy="host" if cfg.handoff.engine_host_mirror else "discard",
+            true_on_policy=cfg.true_on_policy,
+        )
+
     def generate(self, requests: list[GenerateRequest], *, seed: int | None = None) -> list[GenerateOutput]:
         """Outputs in request order. A call made while another runs joins it (continuous batching across
         calls); it then shares the running call's random stream, so ``seed`` reproduces only a call that runs alone."""

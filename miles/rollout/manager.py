@@ -54,7 +54,6 @@ class RolloutManager(UpdateCalls):
         self.tokenizer = load_tokenizer(cfg.model.tokenizer)
         self.ledger = MemoryLedger()
         r = cfg.rollout
-        policy = "host" if cfg.handoff.engine_host_mirror else "discard"
         if hosts:  # servers on the nodes cluster.engine_nodes names, started by their hosts (miles.rollout.engine_host)
             self.engines = hosted_engines(cfg, list(hosts), api_key, self.ledger)
         elif r.engine == "http":  # the same engines behind `miles serve` processes (a Router when num_engines > 1)
@@ -63,18 +62,7 @@ class RolloutManager(UpdateCalls):
             self.engines = sglang_engines(cfg, device, self.ledger)
         else:
             self.engines = [
-                EmbeddedEngine(
-                    cfg.model,
-                    max_batch_size=r.max_batch_size,
-                    max_seq_len=r.max_seq_len,
-                    device=device,
-                    seed=cfg.seed,
-                    ledger=self.ledger,
-                    owner=f"engine/{i}",
-                    weights_policy=policy,
-                    logprob_chunk_size=cfg.trainer.logprob_chunk_size,
-                    true_on_policy=cfg.true_on_policy,
-                )
+                EmbeddedEngine.from_config(cfg, device, owner=f"engine/{i}", ledger=self.ledger)
                 for i in range(r.num_engines)
             ]
         self.rewards = pool_for(cfg.data)  # reward worker processes (miles.reward), started below if the run needs them

@@ -164,20 +164,3 @@ class EngineServer:
             )
         async with self.batcher.idle:
             return await asyncio.to_thread(fn, *args)
-
-
-# ---- the command ----------------------------------------------------------------------------------------------
-def build_engine(cfg, device: str, owner: str = "engine/0") -> EmbeddedEngine:
-    """The engine a RolloutManager would build in-process for ``cfg`` (a RunConfig)."""
-    r = cfg.rollout
-    return EmbeddedEngine(
-        cfg.model,
-        max_batch_size=r.max_batch_size,
-        max_seq_len=r.max_seq_len,
-        device=device,
-        seed=cfg.seed,
-        owner=owner,
-        weights_policy="host" if cfg.handoff.engine_host_mirror else "discard",
-        logprob_chunk_size=cfg.trainer.logprob_chunk_size,
-        true_on_policy=cfg.true_on_policy,
-    )

@@ -10,8 +10,8 @@ from miles.agents.policy import HttpPolicy
 from miles.agents.session_server import SessionError, SessionServer
 from miles.model.tokenizer import ByteTokenizer
 from miles.policy.logprob import log_probs_and_entropy
+from miles.rollout.engine import EmbeddedEngine
 from miles.rollout.launch import spawn_miles_servers
-from miles.rollout.server import build_engine
 from tests.conftest import tiny_run_cfg
 
 
@@ -31,7 +31,7 @@ def test_sessions_over_http_keep_exact_tokens_and_a_flush_aborts_the_in_flight_t
         rec = server.get(sid)
         seq = torch.tensor(rec["token_ids"])
         with torch.no_grad():  # same config and seed: the served engine's weights
-            logits = build_engine(cfg, "cpu").model(seq[None])[0, :-1]
+            logits = EmbeddedEngine.from_config(cfg, "cpu").model(seq[None])[0, :-1]
         ref, _ = log_probs_and_entropy(logits, seq[1:])
         mask = torch.tensor(rec["loss_mask"][1:], dtype=torch.bool)
         assert mask.sum() > 0

@@ -9,7 +9,8 @@ import time
 
 import pytest
 
-from miles.rollout.server import EngineServer, build_engine
+from miles.rollout.engine import EmbeddedEngine
+from miles.rollout.server import EngineServer
 from tests.conftest import tiny_run_cfg
 
 
@@ -52,7 +53,9 @@ def serve(serve_cfg):
     opened = []
 
     def start(**kwargs) -> ThreadedServer:
-        s = ThreadedServer(EngineServer(build_engine(serve_cfg, "cpu"), **{"batch_wait_ms": 5, **kwargs})).__enter__()
+        s = ThreadedServer(
+            EngineServer(EmbeddedEngine.from_config(serve_cfg, "cpu"), **{"batch_wait_ms": 5, **kwargs})
+        ).__enter__()
         opened.append(s)
         return s
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from miles.protocols.engine import EngineError, GenerateRequest, SamplingParams
+from miles.rollout.engine import EmbeddedEngine
 from miles.rollout.launch import spawn_miles_servers
-from miles.rollout.server import build_engine
 from miles.rollout.sglang_client import SGLangClient
 from miles.sync.flat_bucket import StagingBuffers
 from tests.conftest import tiny_run_cfg
@@ -51,7 +51,7 @@ def _reqs(n, max_new_tokens=6, temperature=1.0, prefix="r"):
 
 
 def test_seeded_generate_over_http_matches_the_in_process_engine(cfg, client):
-    local = build_engine(cfg, "cpu")
+    local = EmbeddedEngine.from_config(cfg, "cpu")
     reqs = _reqs(5)
     want = local.generate(reqs, seed=11)
     got = client.generate(reqs, seed=11)
@@ -109,7 +109,7 @@ def test_release_and_resume_by_tag_frees_and_restores_the_tagged_bytes(client):
 
 
 def test_weight_update_then_generate_reflects_the_new_weights(cfg, client):
-    other = build_engine(cfg.__class__.from_dict({**cfg.to_dict(), "seed": 1}), "cpu")
+    other = EmbeddedEngine.from_config(cfg.__class__.from_dict({**cfg.to_dict(), "seed": 1}), "cpu")
     original = client.named_weights()
     reqs = _reqs(3, temperature=0)
     before = client.generate(reqs)

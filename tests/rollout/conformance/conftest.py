@@ -14,7 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from miles.rollout.server import EngineServer, build_engine
+from miles.rollout.engine import EmbeddedEngine
+from miles.rollout.server import EngineServer
 from tests.conftest import tiny_run_cfg
 from tests.rollout.conftest import ThreadedServer
 
@@ -46,7 +47,7 @@ def servers(conf_cfg):
 
     def get(token=None) -> ThreadedServer:
         if token not in opened:
-            engine = build_engine(conf_cfg, "cpu")
+            engine = EmbeddedEngine.from_config(conf_cfg, "cpu")
             if isinstance(token, int):
                 engine.update_weights_from_tensor(crafted_weights(engine, token))
             opened[token] = ThreadedServer(EngineServer(engine, batch_wait_ms=2)).__enter__()
