@@ -27,8 +27,8 @@ from miles.config import RunConfig
 from miles.handoff import HandoffPlan, Step
 from miles.memory import LedgerEvent
 from miles.plan_executor import PlanExecutor
-from miles.policy.objective import resolved_trainer
 from miles.rollout.manager import RolloutManager
+from miles.train.backend import build_backend
 from miles.train.torch_backend import TorchBackend
 
 
@@ -82,21 +82,7 @@ class Colocated(PlanExecutor):
     def build_trainer(self) -> TorchBackend:
         """Create the trainer rank (once): its tags enter the ledger's device pool now."""
         if self.backend is None:
-            c = self.cfg
-            if c.trainer.backend == "megatron":
-                from miles.train.megatron_backend import MegatronBackend as Backend  # noqa: N814 (GPU only)
-            else:
-                Backend = TorchBackend  # noqa: N806
-            self.backend = Backend(
-                c.model,
-                resolved_trainer(c),
-                device=self.device,
-                seed=c.seed,
-                temperature=c.rollout.temperature,
-                ledger=self.ledger,
-                offload_policy=c.handoff.offload_train,
-                disk_dir=self.disk_dir,
-            )
+            self.backend = build_backend(self.cfg, self.device, ledger=self.ledger, disk_dir=self.disk_dir)
         return self.backend
 
     def held_device_bytes(self) -> int:

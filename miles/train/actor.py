@@ -16,9 +16,9 @@ from miles.config import RunConfig
 from miles.memory import MemoryLedger
 from miles.nodes import NodeInfo, interface_of, this_node
 from miles.placement import local_ranks
-from miles.policy.objective import resolved_trainer
 from miles.ports import free_port
 from miles.threads import actor_options, init_on_compute_thread, on_compute_thread
+from miles.train.backend import build_backend
 
 
 def resolve_device(cfg: RunConfig) -> str:
@@ -84,24 +84,9 @@ class TrainActor:
         """Create the model and optimizer: the trainer's memory comes into being here (miles.handoff)."""
         if self.backend is not None:
             return
-        cfg, rank, world_size = self.cfg, self.rank, self.world_size
-        if cfg.trainer.backend == "megatron":
-            from miles.train.megatron_backend import MegatronBackend as Backend  # noqa: N814 (GPU only)
-        else:
-            from miles.train.torch_backend import TorchBackend as Backend
-        h = cfg.handoff
-        self.backend = Backend(
-            cfg.model,
-            resolved_trainer(cfg),  # run-dependent defaults filled (loss_norm_tokens, lr_decay_steps)
-            rank=rank,
-            world_size=world_size,
-            device=self.device,
-            seed=cfg.seed,
-            temperature=cfg.rollout.temperature,
-            ledger=self.ledger,
-            offload_policy=h.offload_train,
-            disk_dir=os.path.join(cfg.run_dir, "offload", f"rank{rank}"),
-            true_on_policy=cfg.true_on_policy,
+        disk_dir = os.path.join(self.cfg.run_dir, "offload", f"rank{self.rank}")
+        self.backend = build_backend(
+            self.cfg, self.device, rank=self.rank, world_size=self.world_size, ledger=self.ledger, disk_dir=disk_dir
         )
 
     def connect_sync(self, engines) -> None:
