@@ -20,7 +20,7 @@ priced as the OS sees them (one page-rounded arena per tag, or torch's power-of-
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 from miles.config import RunConfig
 from miles.handoff import HandoffPlan, Step
@@ -126,64 +126,6 @@ class PlanReport:
     @property
     def num_steps(self) -> int:
         return sum(1 for s in self.steps if s.phase == "train")
-
-    def to_dict(self) -> dict:
-        per = lambda owner: {t: s.bytes for (o, t), s in self.sizes.tags.items() if o == owner}
-        return {
-            "recipe": self.recipe,
-            "mode": self.mode,
-            "reason": self.reason,
-            "hardware": self.hardware.as_dict(),
-            "gpus": self.gpus,
-            "nodes": self.nodes,
-            "ranks_per_node": self.ranks_per_node,
-            "host_allocator": self.host_allocator,
-            "model": self.sizes.model,
-            "sizes_per_gpu": {
-                "trainer": per("trainer"),
-                "engine": per("engine"),
-                "train_transient": self.sizes.train_transient,
-            },
-            "steps": [asdict(s) for s in self.steps],
-            "peaks": {"device_per_gpu": self.device_peak, "host_per_node": self.host_peak},
-            "handoff_seconds_per_step": self.handoff_seconds,
-            "budget": {"device_per_gpu": self.device_budget, "host_per_node": self.host_budget},
-            "fits": {"device": self.fits_device, "host": self.fits_host},
-            "over_budget_steps": [f"{s.phase}: {s.step} ({', '.join(s.over)})" for s in self.steps if s.over],
-        }
-
-    def table(self) -> str:
-        hw = self.hardware
-        lines = [
-            f"{self.recipe}: colocate_memory_peak_device = {self.mode}" + (f" ({self.reason})" if self.reason else ""),
-            f"  {self.gpus} GPUs on {self.nodes} x {hw.name} ({self.ranks_per_node} ranks/node); "
-            f"host budget {_fmt(hw.host_bytes)}/node, device {_fmt(hw.hbm_bytes)}/GPU; host arenas: {self.host_allocator}",
-            f"  {'phase':<17} {'step':<58} {'moved/GPU':>10} {'seconds':>8} {'device/GPU':>12} {'host/node':>11}",
-        ]
-        for s in self.steps:
-            flag = " <-- over " + "+".join(s.over) if s.over else ""
-            dev = _fmt(s.device + s.transient_device) + ("*" if s.transient_device else " ")
-            lines.append(
-                f"  {s.phase:<17} {s.step:<58} {_fmt(sum(s.moved.values())):>10} {s.seconds:>8.3f} {dev:>12} "
-                f"{_fmt(s.host_node):>11}{flag}"
-            )
-        at = lambda peak: next(f"{s.phase}: {s.step}" for s in self.steps if peak(s) == max(map(peak, self.steps)))
-        lines.append(
-            f"  peaks: device {_fmt(self.device_peak)}/GPU at {at(lambda s: s.device + s.transient_device)} (budget "
-            f"{_fmt(self.device_budget)}), host {_fmt(self.host_peak)}/node at {at(lambda s: s.host_node)} (budget "
-            f"{_fmt(self.host_budget)}) -> {'fits' if self.fits_device and self.fits_host else 'DOES NOT FIT'}"
-        )
-        if any(s.transient_device for s in self.steps):
-            lines.append(
-                "  * includes the step's working set on top of what it holds (the train step's, the sync bucket)"
-            )
-        lines.append(f"  predicted handoff time: {self.handoff_seconds:.3f} s per RL step (moved bytes over the link)")
-        return "\n".join(lines)
-
-
-def _fmt(n: float) -> str:
-    """Binary units throughout (the budgets are GiB too)."""
-    return f"{n / GiB:.1f} GiB" if n >= GiB else f"{n / (1 << 20):.1f} MiB" if n >= 1 << 20 else f"{n / 1024:.1f} KiB"
 
 
 # ---- sizes ----------------------------------------------------------------------------------------------------

@@ -9,9 +9,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import asdict
+from typing import TYPE_CHECKING
 
 from miles.config_args import ArgParser, add_config_args, config_from_args, print_config
-from miles.hardware import PROFILES
+from miles.hardware import PROFILES, GiB
+
+if TYPE_CHECKING:
+    from miles.planner import PlanReport
 
 HARDWARE = [*sorted(PROFILES), "cpu", "auto"]
 EXIT_DOES_NOT_FIT = 3
@@ -98,10 +103,15 @@ def main(argv: list[str] | None = None) -> int:
     fits = [r.mode for r in reports if r.fits_device and r.fits_host]
     code = 0 if fits else EXIT_DOES_NOT_FIT
     if args.json:
-        out = {"recipe": cfg.recipe, "hardware": hw.name, "auto": auto, "plans": {r.mode: r.to_dict() for r in reports}}
+        out = {
+            "recipe": cfg.recipe,
+            "hardware": hw.name,
+            "auto": auto,
+            "plans": {r.mode: report_dict(r) for r in reports},
+        }
         print(json.dumps(out, indent=1))
         return code
-    print("\n\n".join(r.table() for r in reports))
+    print("\n\n".join(report_table(r) for r in reports))
     print(f"\n{_auto_line(reports, auto)}\n{hw.note}")
     planned = ", ".join(f"{r.mode} {'fits' if r.mode in fits else 'does NOT fit'}" for r in reports)
     print(f"on {hw.name}: {planned} (exit {code})")  # the last line agrees with the exit status
@@ -115,3 +125,65 @@ def _auto_line(reports, auto: dict) -> str:
     if auto["mode"] in [r.mode for r in reports]:
         return f"auto -> {auto['mode']}: {auto['reason']}"
     return f"auto -> {auto['mode']} (not the order planned above; see --mode {auto['mode']}): {auto['reason']}"
+
+
+# ---- the report, printed ------------------------------------------------------------------------------------
+def report_dict(report: PlanReport) -> dict:
+    """The report as JSON (``miles plan --json``)."""
+    per = lambda owner: {t: s.bytes for (o, t), s in report.sizes.tags.items() if o == owner}
+    return {
+        "recipe": report.recipe,
+        "mode": report.mode,
+        "reason": report.reason,
+        "hardware": report.hardware.as_dict(),
+        "gpus": report.gpus,
+        "nodes": report.nodes,
+        "ranks_per_node": report.ranks_per_node,
+        "host_allocator": report.host_allocator,
+        "model": report.sizes.model,
+        "sizes_per_gpu": {
+            "trainer": per("trainer"),
+            "engine": per("engine"),
+            "train_transient": report.sizes.train_transient,
+        },
+        "steps": [asdict(s) for s in report.steps],
+        "peaks": {"device_per_gpu": report.device_peak, "host_per_node": report.host_peak},
+        "handoff_seconds_per_step": report.handoff_seconds,
+        "budget": {"device_per_gpu": report.device_budget, "host_per_node": report.host_budget},
+        "fits": {"device": report.fits_device, "host": report.fits_host},
+        "over_budget_steps": [f"{s.phase}: {s.step} ({', '.join(s.over)})" for s in report.steps if s.over],
+    }
+
+
+def report_table(report: PlanReport) -> str:
+    """The report as the table ``miles plan`` prints: every step's bytes moved, seconds, device and host held."""
+    hw = report.hardware
+    lines = [
+        f"{report.recipe}: colocate_memory_peak_device = {report.mode}"
+        + (f" ({report.reason})" if report.reason else ""),
+        f"  {report.gpus} GPUs on {report.nodes} x {hw.name} ({report.ranks_per_node} ranks/node); "
+        f"host budget {_fmt(hw.host_bytes)}/node, device {_fmt(hw.hbm_bytes)}/GPU; host arenas: {report.host_allocator}",
+        f"  {'phase':<17} {'step':<58} {'moved/GPU':>10} {'seconds':>8} {'device/GPU':>12} {'host/node':>11}",
+    ]
+    for s in report.steps:
+        flag = " <-- over " + "+".join(s.over) if s.over else ""
+        dev = _fmt(s.device + s.transient_device) + ("*" if s.transient_device else " ")
+        lines.append(
+            f"  {s.phase:<17} {s.step:<58} {_fmt(sum(s.moved.values())):>10} {s.seconds:>8.3f} {dev:>12} "
+            f"{_fmt(s.host_node):>11}{flag}"
+        )
+    at = lambda peak: next(f"{s.phase}: {s.step}" for s in report.steps if peak(s) == max(map(peak, report.steps)))
+    lines.append(
+        f"  peaks: device {_fmt(report.device_peak)}/GPU at {at(lambda s: s.device + s.transient_device)} (budget "
+        f"{_fmt(report.device_budget)}), host {_fmt(report.host_peak)}/node at {at(lambda s: s.host_node)} (budget "
+        f"{_fmt(report.host_budget)}) -> {'fits' if report.fits_device and report.fits_host else 'DOES NOT FIT'}"
+    )
+    if any(s.transient_device for s in report.steps):
+        lines.append("  * includes the step's working set on top of what it holds (the train step's, the sync bucket)")
+    lines.append(f"  predicted handoff time: {report.handoff_seconds:.3f} s per RL step (moved bytes over the link)")
+    return "\n".join(lines)
+
+
+def _fmt(n: float) -> str:
+    """Binary units throughout (the budgets are GiB too)."""
+    return f"{n / GiB:.1f} GiB" if n >= GiB else f"{n / (1 << 20):.1f} MiB" if n >= 1 << 20 else f"{n / 1024:.1f} KiB"
