@@ -42,10 +42,6 @@ class StepRecord:
     device_allocated: int = 0  # torch.cuda.memory_allocated() after the step (0 on CPU)
     held_device: int = 0  # bytes of all tagged tensors resident after the step
 
-    def moved_tags(self) -> tuple[str, ...]:
-        """Tags that really moved (in the step's own order of first appearance)."""
-        return tuple(dict.fromkeys(e.tag for e in self.events if e.bytes))
-
 
 class Colocated(PlanExecutor):
     """One engine group + one trainer rank on one device; see the module docstring for the call order."""

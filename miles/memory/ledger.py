@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 from miles.nodes import this_node
 
@@ -135,7 +135,3 @@ class MemoryLedger:
             if e.direction == "in" and (phase is None or e.phase == phase):
                 out[(e.tag, e.pool)] = out.get((e.tag, e.pool), 0) + e.bytes
         return out
-
-    @staticmethod
-    def to_rows(events: list[LedgerEvent]) -> list[dict]:
-        return [asdict(e) for e in events]

@@ -36,14 +36,3 @@ def check_weights(trainer, engine: Mapping[str, torch.Tensor], *, label: str = "
             f"check_weights: {len(bad)} {label} tensors differ from the trainer's after sync, e.g. "
             f"{bad[:3]}; the transport lost or reordered bytes, or the engine applied a stale bucket"
         )
-
-
-def check_engines(trainer, engines: list, *, names: Iterable[str] | None = None) -> None:
-    """check_weights against every engine (in-process objects or Ray actor handles with ``named_weights()``)."""
-    from miles.sync.calls import call
-
-    trainer = dict(trainer)
-    if names is not None:
-        trainer = {n: trainer[n] for n in names}
-    for i, e in enumerate(engines):
-        check_weights(trainer, call(e, "named_weights"), label=f"engine {i}")

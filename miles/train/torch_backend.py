@@ -14,7 +14,6 @@ import time
 from collections.abc import Iterator
 
 import torch
-import torch.distributed as dist
 
 from miles.config import TrainerConfig
 from miles.memory import MemoryLedger, TaggedMemory
@@ -334,7 +333,3 @@ def _full_optim_state(model, optimizer) -> dict:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
     return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-
-
-def is_distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()

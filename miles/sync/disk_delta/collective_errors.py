@@ -48,10 +48,6 @@ class CollectiveError(RuntimeError):
         )
         super().__init__(f"rank {first.rank} of {world_size} failed: {first.type}: {first.message}{others}")
 
-    @property
-    def first_rank(self) -> int:
-        return self.errors[0].rank
-
 
 class HeldError:
     """Context manager that catches an ``Exception`` and keeps it in ``.error`` instead of raising.
