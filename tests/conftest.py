@@ -106,16 +106,24 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def tiny_model(**fields) -> ModelConfig:
+    """The tests' tiny decoder (2 layers, width 32, 4 heads over 2 KV heads); ``fields`` change any of it."""
+    return ModelConfig(
+        **{
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 64,
+            **fields,
+        }
+    )
+
+
 @pytest.fixture
 def tiny_model_cfg() -> ModelConfig:
-    return ModelConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
+    return tiny_model()
 
 
 def tiny_run_cfg(tmp_path, *overrides):

@@ -9,22 +9,15 @@ import torch
 from miles.agents.policy import Completion, EmbeddedPolicy, parse_generate_response
 from miles.agents.session_server import SessionError, SessionServer
 from miles.agents.tool_calls import format_tool_call, parse_tool_calls
-from miles.model.config import ModelConfig
 from miles.model.tokenizer import ByteTokenizer
 from miles.policy.logprob import log_probs_and_entropy
 from miles.rollout.engine import EmbeddedEngine
+from tests.conftest import tiny_model
 
 
 @pytest.fixture(scope="module")
 def server():
-    cfg = ModelConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-    )
+    cfg = tiny_model(max_position_embeddings=512)
     policy = EmbeddedPolicy(EmbeddedEngine(cfg, max_batch_size=8, max_seq_len=512, seed=0))
     yield SessionServer(policy, ByteTokenizer(), instance_id="agent-test")
     policy.close()

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from miles.sync.buckets import host_bytes
+from tests.conftest import tiny_model
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.bool])
@@ -54,21 +55,13 @@ class _Recorded:
 @pytest.mark.parametrize("two", [True, False], ids=["two-calls", "one-by-one"])
 def test_a_bucketed_sync_takes_two_engine_calls_around_its_buckets_where_the_engine_offers_them(two):
     from miles.config import SyncConfig
-    from miles.model.config import ModelConfig
     from miles.model.decoder import build_decoder
     from miles.rollout.engine import EmbeddedEngine
     from miles.sync import SyncError
     from miles.sync.check import check_weights
     from miles.sync.tensor import TensorSync
 
-    cfg = ModelConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-    )
+    cfg = tiny_model(max_position_embeddings=32)
     named = [
         (n, t.detach().clone() + 0.5)
         for n, t in build_decoder(cfg, seed=2).hf_state_dict().items()

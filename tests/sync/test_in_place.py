@@ -8,22 +8,14 @@ import pytest
 import torch
 
 from miles.config import SyncConfig
-from miles.model.config import ModelConfig
 from miles.model.decoder import build_decoder
 from miles.rollout.engine import EmbeddedEngine
 from miles.sync import SyncError
 from miles.sync.check import check_weights
 from miles.sync.in_place import InPlaceSync
-from tests.conftest import in_place_versions
+from tests.conftest import in_place_versions, tiny_model
 
-CFG = ModelConfig(
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=32,
-)
+CFG = tiny_model(max_position_embeddings=32)
 
 
 def test_a_trainer_whose_tensors_move_every_sync_still_syncs_bit_equal_and_is_told_to_use_buckets(caplog):

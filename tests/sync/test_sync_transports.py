@@ -10,7 +10,7 @@ import torch
 
 from miles.sync.buckets import fused_group, plan_buckets
 from miles.sync.check import check_weights, weights_differ
-from tests.conftest import in_place_versions, tiny_run_cfg
+from tests.conftest import in_place_versions, tiny_model, tiny_run_cfg
 
 BUCKET = 4096  # bytes: smaller than most tensors of the tiny model, so rdt goes in many rounds
 TRANSPORTS = ["tensor", "tensor:in_place", "tensor:in_place:doorbell", "broadcast", "rdt", "rdt:in_place"]
@@ -217,21 +217,13 @@ def test_a_doorbell_rung_in_another_process_syncs_bit_equal_and_a_dead_engine_fa
     import time
 
     from miles.config import SyncConfig
-    from miles.model.config import ModelConfig
     from miles.model.decoder import build_decoder
     from miles.rollout.engine import EmbeddedEngine
     from miles.sync import SyncError
     from miles.sync.in_place import InPlaceSync
 
     ray = ray_session
-    cfg = ModelConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-    )
+    cfg = tiny_model(max_position_embeddings=32)
     named = [
         (n, t.detach().clone())
         for n, t in build_decoder(cfg, seed=5).hf_state_dict().items()

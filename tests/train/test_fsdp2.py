@@ -7,12 +7,10 @@ import torch
 import torch.multiprocessing as mp
 
 from miles.config import TrainerConfig
-from miles.model.config import ModelConfig
+from tests.conftest import tiny_model
 from tests.train.test_torch_backend import _batch
 
-CFG = ModelConfig(
-    hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
-)
+CFG = tiny_model(max_position_embeddings=512)
 
 
 def _equal_length_batch():
