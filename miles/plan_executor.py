@@ -15,16 +15,18 @@ from __future__ import annotations
 import time
 
 from miles.handoff import Step
+from miles.protocols.engine import EngineMemory
+from miles.protocols.trainer import TrainerGroup
 from miles.sync.calls import call
 
 
 class PlanExecutor:
-    """Subclasses set ``rollout`` (RolloutManager or Ray actor handle) and ``trainer`` (methods build, clear_memory,
-    offload(tags), onload(tags) and update_weights(version), each returning one result per rank), and may
-    override the hooks ``built``, ``warm_up``, ``synced`` and ``step_done``."""
+    """Subclasses set ``rollout`` (EngineMemory: the RolloutManager, in-process or its Ray actor handle) and
+    ``trainer`` (a TrainerGroup: one result per rank), and may override the hooks ``built``, ``warm_up``,
+    ``synced`` and ``step_done``."""
 
-    rollout: object
-    trainer: object
+    rollout: EngineMemory
+    trainer: TrainerGroup
 
     def execute(self, steps: tuple[Step, ...], version: int | None = None, phase: str = "") -> dict[str, int]:
         """Run plan steps in order; returns the bytes moved by each engine and trainer offload/onload step

@@ -132,6 +132,16 @@ class Engine(Protocol):
 
 
 @runtime_checkable
+class EngineMemory(Protocol):
+    """The engine memory a handoff plan moves by tag: every Engine has it, and the RolloutManager applies it to each
+    engine it drives (miles.plan_executor calls nothing else on the rollout side)."""
+
+    def offload(self, tags: Iterable[str]) -> int: ...
+
+    def onload(self, tags: Iterable[str]) -> int: ...
+
+
+@runtime_checkable
 class Transactional(Protocol):
     """Weight updates as transactions: a failure between begin and commit keeps the previous version."""
 

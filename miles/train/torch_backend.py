@@ -1,8 +1,8 @@
 """The torch trainer backend: the decoder trained with GRPO/GSPO/PPO-clip on one rank or sharded with FSDP2.
 
-Implements the trainer-backend contract (forward_logprobs, train_step, named_weights in HF names,
-state_dict/load_state_dict) and the Offloadable contract through TaggedMemory (offload/onload
-by tag, clear_memory). Tags: ``params``, ``grads``, ``optimizer`` (``ref`` when KL is on).
+A ``miles.protocols.trainer.TrainerBackend`` (train_step, sft_step, forward_logprobs, named_weights in HF names,
+state_dict/load_state_dict, and offload/onload by tag through a TaggedMemory, clear_memory). Tags: ``params``,
+``grads``, ``optimizer`` (``ref`` when KL is on).
 """
 
 from __future__ import annotations

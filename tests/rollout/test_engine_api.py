@@ -77,3 +77,19 @@ def test_the_rollout_manager_fans_out_each_engine_call_to_every_engine_in_order(
     for name in FANNED_OUT:
         getattr(manager, name)("x", version=3)
     assert calls == [(i, name, ("x",), {"version": 3}) for name in FANNED_OUT for i in (0, 1)]
+
+
+@pytest.mark.parametrize("engine_cls", [EmbeddedEngine, SGLangClient, Router, RolloutManager])
+def test_what_a_handoff_plan_moves_on_the_rollout_side_every_engine_and_the_manager_offer(engine_cls):
+    assert api.supports(engine_cls, api.EngineMemory)
+
+
+def test_both_trainer_groups_and_both_backends_offer_the_declared_trainer_surface():
+    from miles.colocated import LocalTrainer
+    from miles.protocols.trainer import TrainerBackend, TrainerGroup
+    from miles.train.actor import TrainGroup
+    from miles.train.torch_backend import TorchBackend
+
+    assert api.supports(TrainGroup, TrainerGroup) and api.supports(LocalTrainer, TrainerGroup)
+    assert api.supports(TorchBackend, TrainerBackend)  # MegatronBackend is a TorchBackend (GPU only to import)
+    assert not api.supports(TorchBackend, TrainerGroup)  # a rank is not a group: its results are not per rank
