@@ -200,6 +200,12 @@ class SyncConfig:
             )
 
 
+GPU_ORDER_NEEDS = (
+    "needs offload_train and offload_rollout; set handoff.offload_train=host (or disk) and "
+    "handoff.offload_rollout=true, or use 'cpu'"
+)
+
+
 @dataclass(kw_only=True, slots=True)
 class HandoffConfig:
     # where the trainer/engine handoff overlaps: cpu (each side offloads first, the host holds both copies a
@@ -224,11 +230,13 @@ class HandoffConfig:
             from miles.model.size import resolve_hf_config
 
             resolve_hf_config(self.plan_model)  # raises naming the shipped configs
-        if self.colocate_memory_peak_device == "gpu" and (self.offload_train == "none" or not self.offload_rollout):
-            raise ValueError(
-                "handoff.colocate_memory_peak_device = 'gpu' needs offload_train and offload_rollout; "
-                "set handoff.offload_train=host (or disk) and handoff.offload_rollout=true, or use 'cpu'"
-            )
+        if self.colocate_memory_peak_device == "gpu" and not self.can_peak_on_device:
+            raise ValueError(f"handoff.colocate_memory_peak_device = 'gpu' {GPU_ORDER_NEEDS}")
+
+    @property
+    def can_peak_on_device(self) -> bool:
+        """Whether the 'gpu' order is possible: the overlap sits in device memory only if both sides offload."""
+        return self.offload_train != "none" and self.offload_rollout
 
 
 @dataclass(kw_only=True, slots=True)

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from miles.config import HandoffConfig
+from miles.config import GPU_ORDER_NEEDS, HandoffConfig
 
 TRAIN_ALL = ("params", "grads", "optimizer", "ref", "quant_workspace")
 ENGINE_VERBS = ("offload_kv", "offload_weights", "onload_weights", "onload_kv")
@@ -76,11 +76,8 @@ class HandoffPlan:
             )
         if mode not in MODES:
             raise ValueError(f"colocate_memory_peak_device = {mode!r} is not one of {list(MODES) + ['auto']}")
-        if mode == "gpu" and (cfg.offload_train == "none" or not cfg.offload_rollout):
-            raise ValueError(
-                "colocate_memory_peak_device = 'gpu' needs offload_train and offload_rollout; set "
-                "handoff.offload_train=host (or disk) and handoff.offload_rollout=true, or use 'cpu'"
-            )
+        if mode == "gpu" and not cfg.can_peak_on_device:
+            raise ValueError(f"colocate_memory_peak_device = 'gpu' {GPU_ORDER_NEEDS}")
         e = _engine_steps(cfg)
         train = TRAIN_ALL if cfg.offload_train != "none" else ()
         t_off, t_on = Step("trainer", "offload", train), Step("trainer", "onload", train)

@@ -463,8 +463,7 @@ def choose_mode(cfg: RunConfig, hardware: str | HardwareProfile | None = None) -
     )
     if cpu.fits_host and cpu.fits_device:
         return "cpu", f"{peaks(cpu)} fits on {hw.name}"
-    h = cfg.handoff
-    if h.offload_train == "none" or not h.offload_rollout:
+    if not cfg.handoff.can_peak_on_device:
         raise ValueError(
             f"colocate_memory_peak_device='auto': {peaks(cpu)} does not fit, and 'gpu' needs "
             f"handoff.offload_train and handoff.offload_rollout; enable them or use more GPUs"

@@ -91,9 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     from miles.planner import choose_mode, plan
 
     hw = get_profile(args.hardware or cfg.handoff.hardware)
-    h = cfg.handoff
     modes = ["cpu", "gpu"] if args.mode == "both" else [args.mode]
-    if "gpu" in modes and (h.offload_train == "none" or not h.offload_rollout) and args.mode == "both":
+    if "gpu" in modes and not cfg.handoff.can_peak_on_device and args.mode == "both":
         modes.remove("gpu")
     reports = [plan(cfg, hw, mode=m, num_steps=args.steps, host_allocator=args.host_allocator) for m in modes]
     try:
