@@ -181,8 +181,8 @@ class Cluster(PlanExecutor):
     """with Cluster(cfg) as c: c.execute(plan.init, version=0); c.rollout.generate.remote(step); c.trainer.train(...)
 
     The engines start first, then the trainer's actors (no model yet); ``plan.init``'s trainer.build step builds
-    the model, then calls ``on_built`` (a resumed run loads its checkpoint there) and its trainer.warmup step
-    calls ``on_warm_up``. The stall watchdog (miles.watchdog) watches from then on: ``execute``, ``generate``,
+    the model, then calls the ``built`` hook given to ``execute`` (a resumed run loads its checkpoint there) and
+    its trainer.warmup step calls ``warm_up``. The stall watchdog (miles.watchdog) watches from then on: ``execute``, ``generate``,
     ``evaluate`` and ``save_checkpoint`` name its phases, and on a stall it calls ``abort``."""
 
     PHASES = {"init": "init", "rollout_to_train": "train", "train_to_rollout": "sync"}  # execute's phase -> watched
@@ -258,23 +258,16 @@ class Cluster(PlanExecutor):
             self.close()  # nothing left running: the engines (and servers they launched), the group, Ray
             raise
         self.sync_metrics: dict = {}
-        self.on_built = self.on_warm_up = lambda: None  # the driver's resume and supervised warm-up
-
-    def built(self) -> None:
-        self.on_built()
-
-    def warm_up(self) -> None:
-        self.on_warm_up()
 
     def get(self, ref):
         import ray
 
         return ray.get(ref)
 
-    def execute(self, steps, version: int | None = None, phase: str = "") -> dict[str, int]:
+    def execute(self, steps, version: int | None = None, phase: str = "", **hooks) -> dict[str, int]:
         name = self.PHASES.get(phase, phase or "init")
         self.watchdog.phase(name, version if name == "init" else None)  # init's version is the step it starts at
-        return super().execute(steps, version, phase)
+        return super().execute(steps, version, phase, **hooks)
 
     def generate(self, step: int):
         """The rollout of RL step ``step`` (batches, metrics); the dataset's position after it is kept."""
@@ -287,6 +280,14 @@ class Cluster(PlanExecutor):
     def evaluate(self, step: int) -> dict[str, float]:
         self.watchdog.phase("eval", step)
         return self.get(self.rollout.evaluate.remote(step))
+
+    def sft_batches(self, i: int) -> list:
+        """The reference answers of supervised warm-up step ``i``, one TrainBatch per rank."""
+        return self.get(self.rollout.sft_batches.remote(i))
+
+    def sample_rows(self, train_log_probs: dict) -> list[dict]:
+        """The last rollout's samples as rollout-dump rows (miles.rollout_dump), with the trainer's log-probs."""
+        return self.get(self.rollout.sample_rows.remote(train_log_probs))
 
     def abort(self, side: str) -> None:
         """The watchdog's stop: kill the stuck side's processes and everything they started (engine and agent

@@ -35,9 +35,9 @@ def train(cfg: RunConfig, *, progress: bool = True, stop: threading.Event | None
             # the stall watchdog (miles.watchdog) or a node that left the cluster ends the run here, in one line
             with book.stops_on_stall(), book.stops_on_node_loss():
                 start = book.find_checkpoint()
-                c.on_built = book.resume  # the trainer exists from the plan's trainer.build step on
-                c.on_warm_up = lambda: book.saved_step is None and warmup(cfg, c, book)  # a resumed run is warm
-                book.ledger(-1, c.execute(plan.init, version=start, phase="init"))
+                # the trainer exists from the plan's trainer.build step on; a resumed run is warm already
+                warm_up = lambda: book.saved_step is None and warmup(cfg, c, book)  # noqa: E731
+                book.ledger(-1, c.execute(plan.init, version=start, phase="init", built=book.resume, warm_up=warm_up))
                 run.append_placement(start, c.placement.rows())  # where each actor runs (miles.cluster_nodes)
                 with StopOnCtrlC(stop) as stop:  # the first Ctrl-C ends the loop at a step boundary, saved
                     for step in book.progress(range(start, cfg.num_steps), progress):
@@ -65,7 +65,7 @@ def warmup(cfg: RunConfig, c: Cluster, book: "Bookkeeper") -> None:
         log.info("supervised warm-up: %d steps (trainer.warmup_sft_steps) before RL step 0", n)
     for i in range(n):
         c.watchdog.phase("warm-up")  # each supervised step is progress
-        batches = c.get(c.rollout.sft_batches.remote(i))
+        batches = c.sft_batches(i)
         m = c.trainer.sft(batches, lr=cfg.trainer.warmup_sft_lr)[0]
         book.run_dir.append_metrics({"phase": "sft", "sft_step": i, **m})
     if n:
@@ -165,7 +165,7 @@ class Bookkeeper:
         return out
 
     def dump(self, step: int, train_log_probs: dict) -> None:
-        rows = self.c.get(self.c.rollout.sample_rows.remote(train_log_probs))
+        rows = self.c.sample_rows(train_log_probs)
         try:
             RolloutDumpWriter(run_dir=self.run_dir.path).write_step(step, rows)
         except OSError as e:  # the dashboard's copy, not the run: training goes on
