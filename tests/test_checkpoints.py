@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from miles.checkpoints import Checkpoints, file_digest
-from miles.train.actor import read_checkpoint_files, write_checkpoint_files
+from miles.train.backend import read_checkpoint_files, write_checkpoint_files
 
 
 def _writer(value: float):

@@ -7,7 +7,6 @@ every rank and gathers the results; collectives (FSDP2, named_weights) run insid
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import torch
 
@@ -18,7 +17,7 @@ from miles.nodes import NodeInfo, interface_of, this_node
 from miles.placement import local_ranks
 from miles.ports import free_port
 from miles.threads import actor_options, init_on_compute_thread, on_compute_thread
-from miles.train.backend import build_backend
+from miles.train.backend import build_backend, read_checkpoint_files, sample_log_probs, write_checkpoint_files
 
 
 def resolve_device(cfg: RunConfig) -> str:
@@ -103,12 +102,7 @@ class TrainActor:
     @on_compute_thread
     def train(self, batch, want_log_probs: bool = False, step: int | None = None) -> tuple[dict, dict]:
         metrics = self.backend.train_step(batch, step=step)
-        lps = {}
-        if want_log_probs:
-            lp = self.backend.last_log_probs
-            lengths = [int(m.nonzero().max()) + 1 if m.any() else 0 for m in batch.loss_mask]
-            lps = {idx: lp[i, : lengths[i]].tolist() for i, idx in enumerate(batch.sample_index)}
-        return metrics, lps
+        return metrics, sample_log_probs(self.backend, batch) if want_log_probs else {}
 
     @on_compute_thread
     def sft(self, batch, lr: float | None = None) -> dict:
@@ -150,34 +144,6 @@ class TrainActor:
     def drain_ledger(self):
         self.ledger.sample_process(f"trainer/{self.rank}")
         return self.ledger.drain()
-
-
-def write_checkpoint_files(directory: str, state: dict) -> None:
-    from safetensors.torch import save_file
-
-    save_file({k: v.contiguous() for k, v in state["model"].items()}, str(Path(directory) / "model.safetensors"))
-    torch.save(state["optimizer"], Path(directory) / "optimizer.pt")
-
-
-def read_checkpoint_files(directory: str) -> dict:
-    """The trainer state of a checkpoint directory. optimizer.pt is unpickled with ``weights_only=True``: tensors,
-    containers and numbers only, so a crafted file in a copied or shared run directory cannot run code."""
-    import pickle
-
-    from safetensors.torch import load_file
-
-    model = load_file(str(Path(directory) / "model.safetensors"))
-    path = Path(directory) / "optimizer.pt"
-    try:
-        optim = torch.load(path, weights_only=True)
-    except pickle.UnpicklingError as e:
-        lines = [line for line in str(e).splitlines() if "GLOBAL" in line or "Unsupported" in line]
-        first = lines[0].strip() if lines else type(e).__name__
-        raise ValueError(
-            f"{path} holds objects other than tensors and plain containers, so it is not loaded (weights_only=True; "
-            f"{first}). Resume only from checkpoints written by miles train, or delete that checkpoint directory"
-        ) from None
-    return {"model": model, "optimizer": optim}
 
 
 class TrainGroup:

@@ -1,7 +1,12 @@
-"""The trainer backend of a run, built in one place: the TrainActor's rank (miles.train.actor) and Colocated's
-in-process rank (miles.colocated) both call ``build_backend``."""
+"""The trainer backend of a run, built in one place, and what every rank does with one: the TrainActor's rank
+(miles.train.actor) and Colocated's in-process rank (miles.colocated) both build it with ``build_backend``, read
+its per-sample log-probs with ``sample_log_probs`` and write and read its checkpoint files here."""
 
 from __future__ import annotations
+
+from pathlib import Path
+
+import torch
 
 from miles.config import RunConfig
 from miles.memory import MemoryLedger
@@ -36,3 +41,39 @@ def build_backend(
         disk_dir=disk_dir,
         true_on_policy=cfg.true_on_policy,
     )
+
+
+def sample_log_probs(backend, batch) -> dict[int, list[float]]:
+    """The log-probs the last train step computed before its update, per sample index, up to each sample's last
+    trained token (for the rollout dump)."""
+    lp = backend.last_log_probs
+    lengths = [int(m.nonzero().max()) + 1 if m.any() else 0 for m in batch.loss_mask]
+    return {idx: lp[i, : lengths[i]].tolist() for i, idx in enumerate(batch.sample_index)}
+
+
+def write_checkpoint_files(directory: str, state: dict) -> None:
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in state["model"].items()}, str(Path(directory) / "model.safetensors"))
+    torch.save(state["optimizer"], Path(directory) / "optimizer.pt")
+
+
+def read_checkpoint_files(directory: str) -> dict:
+    """The trainer state of a checkpoint directory. optimizer.pt is unpickled with ``weights_only=True``: tensors,
+    containers and numbers only, so a crafted file in a copied or shared run directory cannot run code."""
+    import pickle
+
+    from safetensors.torch import load_file
+
+    model = load_file(str(Path(directory) / "model.safetensors"))
+    path = Path(directory) / "optimizer.pt"
+    try:
+        optim = torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as e:
+        lines = [line for line in str(e).splitlines() if "GLOBAL" in line or "Unsupported" in line]
+        first = lines[0].strip() if lines else type(e).__name__
+        raise ValueError(
+            f"{path} holds objects other than tensors and plain containers, so it is not loaded (weights_only=True; "
+            f"{first}). Resume only from checkpoints written by miles train, or delete that checkpoint directory"
+        ) from None
+    return {"model": model, "optimizer": optim}
