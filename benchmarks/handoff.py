@@ -1,8 +1,8 @@
 """``miles bench handoff``: a real colocated run in one process (no Ray), both peak devices, against the planner.
 
-For each mode: init + N RL steps with Colocated (RolloutManager + TorchBackend + TaggedMemory), recording per
-plan step the bytes moved, the copy time, the device bytes held (allocator) and the process RSS; then the
-planner's prediction for the same config. Reported: predicted vs measured device peak (allocator, CUDA), held
+For each mode: init + N RL steps of the RL loop in this process (miles.driver.train on a Colocated: RolloutManager
++ TorchBackend + TaggedMemory), recording per plan step the bytes moved, the copy time, the device bytes held
+(allocator) and the process RSS; then the planner's prediction for the same config. Reported: predicted vs measured device peak (allocator, CUDA), held
 bytes per step (exact), host footprint as RSS around the trainer's offload vs the predicted arena footprint, and
 the handoff throughput of the pinned host copies against a raw copy ceiling measured in the same run (arena,
 torch's caching pinned allocator and pageable memory, 1 GiB each way). Each mode runs with exact arenas (page-locked
@@ -17,12 +17,14 @@ from __future__ import annotations
 import argparse
 import gc
 import statistics
+import tempfile
 import time
 
 import torch
 
 from miles.colocated import Colocated
 from miles.config import RunConfig, apply_overrides
+from miles.driver import train
 from miles.handoff import HandoffPlan
 from miles.memory.host_arena import STATS as ARENA_STATS
 from miles.memory.host_arena import host_arena, keep_pinned
@@ -62,24 +64,31 @@ def measure(cfg: RunConfig, steps: int, arenas: str = "exact") -> dict:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-    co = Colocated(cfg, device=device)
     plan = HandoffPlan.from_config(cfg.handoff)
     rss: list[tuple[str, int, int]] = []  # (step, rss before, rss after)
-    orig = co._call
-
     alloc: dict[int, float] = {}  # record index -> seconds spent creating (page-locking) host arenas in that step
+    made: list[Colocated] = []
 
-    def timed_call(s, version):
-        before, a0 = process_rss_bytes(), ARENA_STATS["seconds"]
-        out = orig(s, version)
-        alloc[len(co.records)] = ARENA_STATS["seconds"] - a0
-        rss.append((str(s), before, process_rss_bytes()))
-        return out
+    def colocated(c: RunConfig) -> Colocated:  # the driver's cluster, each plan step timed and its RSS read
+        co = Colocated(c, device=device)
+        plain = co.run_step
 
-    co._call = timed_call
+        def timed_step(s, version, **hooks):
+            before, a0 = process_rss_bytes(), ARENA_STATS["seconds"]
+            out = plain(s, version, **hooks)
+            alloc[len(co.records)] = ARENA_STATS["seconds"] - a0
+            rss.append((str(s), before, process_rss_bytes()))
+            return out
+
+        co.run_step = timed_step
+        made.append(co)
+        return co
+
     t0 = time.perf_counter()
-    co.run(plan, steps)
+    with tempfile.TemporaryDirectory(prefix="miles-bench-handoff-") as run_dir:  # the loop writes a run directory
+        train(apply_overrides(cfg, [f"num_steps={steps}", f"run_dir={run_dir}"]), progress=False, cluster=colocated)
     wall = time.perf_counter() - t0
+    co = made.pop()
     rep = predict(cfg, None, num_steps=steps, host_allocator="arena_kept" if arenas == "kept" else "arena")
     # Colocated.train resets the peak counter per train step and keeps that step's peak on its record
     measured_peak = (
@@ -142,8 +151,8 @@ def measure(cfg: RunConfig, steps: int, arenas: str = "exact") -> dict:
             [(a - b) / f for (b, a), f in zip(offload, footprint_pred) if f] if device == "cuda" else None
         ),
     }
-    co._call = orig  # break the co -> timed_call -> co cycle so the run's memory is freed now
-    co = orig = None  # noqa: F841 (drop the references so the run's memory is freed now)
+    del co.run_step  # break the co -> timed_step -> co cycle so the run's memory is freed now
+    co = None  # noqa: F841 (drop the reference so the run's memory is freed now)
     gc.collect()
     keep_pinned(False)  # unmaps every kept arena before the next run
     if device == "cuda":

@@ -1,18 +1,13 @@
 """Colocated: the rollout manager and one trainer rank in this process, sharing one device and one MemoryLedger.
 
-It executes HandoffPlan steps through the same executor as miles.cluster.Cluster (miles.plan_executor), without Ray:
-the unit tests check plan against execution with it, and the handoff benchmark and notebooks measure real
-peaks, bytes and copy speed with it (on CPU here, on one GPU where Ray is not installed).
+It is a cluster the driver runs on (``miles.driver.train(cfg, cluster=Colocated)``) without Ray: the same loop, the
+same plan executor (miles.plan_executor), with every executed step recorded. The plan tests check plan against
+execution with it, and the handoff benchmark and notebooks measure real peaks, bytes and copy speed with it (on CPU
+here, on one GPU where Ray is not installed).
 
-    co = Colocated(cfg, device="cuda")
-    plan = HandoffPlan.from_config(cfg.handoff)
-    co.execute(plan.init, version=0)                    # its trainer.build step creates co.backend
-    for step in range(n):
-        batches, _ = co.manager.generate(step)
-        co.execute(plan.rollout_to_train)
-        co.backend.train_step(batches[0])
-        co.execute(plan.train_to_rollout, version=step + 1)
+    rows = train(cfg, cluster=lambda cfg: Colocated(cfg, device="cuda"))   # or keep the instance the lambda made
     co.records   # one StepRecord per executed step: bytes moved, seconds, the ledger events it caused
+    co.events    # every ledger event of the run, in order
 """
 
 from __future__ import annotations
@@ -24,12 +19,13 @@ import torch
 
 from miles.cluster import sample_source_factory
 from miles.config import RunConfig
-from miles.handoff import HandoffPlan, Step
+from miles.handoff import TRAIN_ALL, Step
 from miles.memory import LedgerEvent
 from miles.plan_executor import PlanExecutor
 from miles.rollout.manager import RolloutManager
-from miles.train.backend import build_backend
+from miles.train.backend import build_backend, read_checkpoint_files, sample_log_probs, write_checkpoint_files
 from miles.train.torch_backend import TorchBackend
+from miles.watchdog import Unwatched
 
 
 @dataclass(slots=True)
@@ -60,12 +56,71 @@ class Colocated(PlanExecutor):
         self.backend: TorchBackend | None = None  # built by the plan's trainer.build step (or build_trainer())
         self.records: list[StepRecord] = []
         self.events: list[LedgerEvent] = []  # every ledger event so far, in order (construction included)
+        self.samples: list = []  # process samples (RSS) the ledger took
+        self._reported = (0, 0)  # events and samples handed to the driver so far (drain_ledgers)
+        self.watchdog = Unwatched()  # one process: nothing to watch from outside it
+        self.sync_metrics: dict = {}
         self._drain()
 
+    def __enter__(self) -> "Colocated":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.manager.close()
+
     def _drain(self) -> list[LedgerEvent]:
-        new, _ = self.ledger.drain()
+        new, samples = self.ledger.drain()
         self.events += new
+        self.samples += samples
         return new
+
+    # ---- what the driver calls (the same as miles.cluster.Cluster) ------------------------------------------------
+    def generate(self, step: int):
+        out = self.manager.generate(step)
+        self._drain()  # the rollout's own events: in no plan step's record
+        return out
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        return self.manager.evaluate(step)
+
+    def sft_batches(self, i: int) -> list:
+        return self.manager.sft_batches(i)
+
+    def sample_rows(self, train_log_probs: dict) -> list[dict]:
+        return self.manager.sample_rows(train_log_probs)
+
+    def drain_ledgers(self):
+        """The ledger's events and process samples since the last call (those in step records included)."""
+        self._drain()
+        (e, s), self._reported = self._reported, (len(self.events), len(self.samples))
+        return self.events[e:], self.samples[s:]
+
+    def synced(self, metrics: list[dict]) -> None:
+        self.sync_metrics = metrics[0]
+        if self.cfg.sync.check_weights:
+            from miles.sync.check import check_weights
+
+            trainer = dict(self.backend.named_weights())
+            for i, engine in enumerate(self.manager.engines):
+                check_weights(trainer, engine.named_weights(), label=f"engine {i}")
+
+    def save_checkpoint(self, run_dir, next_step: int):
+        tags = list(TRAIN_ALL) if self.cfg.handoff.offload_train != "none" else []
+        self.trainer.onload(tags)
+        try:
+            return run_dir.save_checkpoint(next_step, lambda d: self._write_checkpoint(d, next_step))
+        finally:
+            self.trainer.offload(tags)
+
+    def _write_checkpoint(self, directory: str, next_step: int) -> None:
+        self.trainer.save_checkpoint(directory)
+        self.manager.save_data_state(directory, next_step)
+
+    def load_data_state(self, checkpoint) -> None:
+        self.manager.load_data_state(str(checkpoint))
 
     def step_done(self, s: Step, moved: int, t0: float, phase: str) -> None:
         if self.device == "cuda":
@@ -106,19 +161,6 @@ class Colocated(PlanExecutor):
         )
         return metrics
 
-    def run(self, plan: HandoffPlan, num_steps: int) -> list[dict]:
-        """init, then ``num_steps`` of generate -> rollout_to_train -> train -> train_to_rollout."""
-        self.execute(plan.init, version=0, phase="init")
-        rows = []
-        for i in range(num_steps):
-            batches, metrics = self.manager.generate(i)
-            self._drain()
-            self.execute(plan.rollout_to_train, phase="rollout_to_train")
-            metrics |= self.train(batches, step=i)
-            self.execute(plan.train_to_rollout, version=i + 1, phase="train_to_rollout")
-            rows.append(metrics)
-        return rows
-
 
 class LocalTrainer:
     """Colocated's trainer rank as a trainer group of one (the methods PlanExecutor calls, one result per rank).
@@ -144,6 +186,27 @@ class LocalTrainer:
         for e in self.co.manager.engines:
             e.update_weights_from_tensor(named, version)
         return [{}]
+
+    def train(self, batches, want_log_probs: bool = False, step: int | None = None) -> list[tuple[dict, dict]]:
+        metrics = self.co.train(batches, step=step)
+        return [(metrics, sample_log_probs(self.co.backend, batches[0]) if want_log_probs else {})]
+
+    def sft(self, batches, lr: float | None = None) -> list[dict]:
+        if lr is not None:
+            self.co.backend.set_lr(lr)
+        return [self.co.backend.sft_step(batches[0])]
+
+    def set_lr(self, lr: float) -> list:
+        return [self.co.backend.set_lr(lr)]
+
+    def named_weights(self) -> list[dict]:
+        return [{k: v.detach().cpu().clone() for k, v in self.co.backend.named_weights()}]
+
+    def save_checkpoint(self, directory: str) -> list:
+        return [write_checkpoint_files(directory, self.co.backend.state_dict())]
+
+    def load_checkpoint(self, directory: str) -> list:
+        return [self.co.backend.load_state_dict(read_checkpoint_files(directory))]
 
 
 def _allocated(device: str) -> int:

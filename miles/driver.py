@@ -1,4 +1,5 @@
-"""The synchronous, colocated RL loop. Mode differences live in the HandoffPlan, decided before the loop."""
+"""The synchronous, colocated RL loop, the only one: on a Ray cluster (miles.cluster) or in this process
+(miles.colocated) alike. Mode differences live in the HandoffPlan, decided before the loop."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import logging
 import signal
 import threading
 import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from miles.checkpoints import step_dir_name
 from miles.cluster import Cluster
@@ -20,17 +23,28 @@ from miles.run_dir import RunDir
 from miles.trackers import Trackers
 from miles.watchdog import StallError
 
+if TYPE_CHECKING:
+    from miles.colocated import Colocated  # imported where it runs: its rollout and trainer imports take seconds
+
 log = logging.getLogger("miles")
 
 
-def train(cfg: RunConfig, *, progress: bool = True, stop: threading.Event | None = None, on_step=None) -> list[dict]:
-    """Run ``cfg.num_steps`` RL steps (resuming from the last checkpoint); returns the metrics rows."""
+def train(
+    cfg: RunConfig,
+    *,
+    progress: bool = True,
+    stop: threading.Event | None = None,
+    on_step=None,
+    cluster: Callable[[RunConfig], Cluster | Colocated] = Cluster,
+) -> list[dict]:
+    """Run ``cfg.num_steps`` RL steps (resuming from the last checkpoint); returns the metrics rows.
+    ``cluster(cfg)`` makes what the loop runs on: Ray actors (Cluster), or this process (Colocated)."""
     check_data(cfg)  # datasets readable, row by row, and no eval row in train: before Ray starts or a file changes
     run = RunDir.open(cfg.run_dir, resume=cfg.resume, overwrite=cfg.overwrite, config=cfg.to_dict())  # locked
     with run, say_what_is_saved(run):
         plan = resolve_plan(cfg)
         log.info(plan.describe())
-        with Cluster(cfg) as c, Trackers.open(cfg.log, run, config=cfg.to_dict()):
+        with cluster(cfg) as c, Trackers.open(cfg.log, run, config=cfg.to_dict()):
             book = Bookkeeper(cfg, run, c, on_step)
             # the stall watchdog (miles.watchdog) or a node that left the cluster ends the run here, in one line
             with book.stops_on_stall(), book.stops_on_node_loss():
@@ -58,7 +72,17 @@ def train(cfg: RunConfig, *, progress: bool = True, stop: threading.Event | None
     return book.rows
 
 
-def warmup(cfg: RunConfig, c: Cluster, book: "Bookkeeper") -> None:
+def train_in_process(cfg: RunConfig, *, device: str = "cpu", disk_dir: str | None = None) -> Colocated:
+    """``train`` in this process, without Ray (one trainer rank): what the handoff tests, benchmark and notebooks
+    measure. Returns the Colocated it ran on, whose ``records`` and ``events`` hold every executed step."""
+    from miles.colocated import Colocated
+
+    made: list[Colocated] = []
+    train(cfg, progress=False, cluster=lambda c: made.append(Colocated(c, device, disk_dir)) or made[0])
+    return made[0]
+
+
+def warmup(cfg: RunConfig, c: Cluster | Colocated, book: "Bookkeeper") -> None:
     """Supervised steps on reference answers before RL (RunConfig.trainer.warmup_sft_steps); not RL steps."""
     n = cfg.trainer.warmup_sft_steps
     if n:  # the progress bar counts RL steps: without this line the warm-up passes in silence
@@ -75,7 +99,7 @@ def warmup(cfg: RunConfig, c: Cluster, book: "Bookkeeper") -> None:
 class Bookkeeper:
     """Everything around the loop that is not the loop: resume, metrics, ledger, dumps, checkpoints, progress."""
 
-    def __init__(self, cfg: RunConfig, run_dir: RunDir, cluster: Cluster, on_step=None):
+    def __init__(self, cfg: RunConfig, run_dir: RunDir, cluster: Cluster | Colocated, on_step=None):
         self.cfg, self.run_dir, self.c, self.on_step = cfg, run_dir, cluster, on_step
         self.rows: list[dict] = []
         self.pool_bytes = {"device": 0, "host": 0, "disk": 0}

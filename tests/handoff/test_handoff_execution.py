@@ -1,5 +1,5 @@
-"""Plans executed for real in one process (RolloutManager + TorchBackend sharing a ledger) against the plan and
-the planner's prediction: same steps, same tags, same bytes."""
+"""Plans executed for real by the RL loop in one process (miles.driver.train_in_process: RolloutManager +
+TorchBackend sharing a ledger) against the plan and the planner's prediction: same steps, same tags, same bytes."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import pytest
 
 from miles.colocated import Colocated
 from miles.config import apply_overrides
+from miles.driver import train_in_process
 from miles.handoff import HandoffPlan, engine_level_tags
 from miles.planner import plan as predict
 from miles.recipes import quickstart
@@ -41,10 +42,9 @@ def small_cfg(tmp_path, *overrides):
 
 
 def run(cfg, tmp_path, steps=1):
-    co = Colocated(cfg, disk_dir=str(tmp_path / "offload"))
-    plan = HandoffPlan.from_config(cfg.handoff)
-    co.run(plan, steps)
-    return co, plan
+    """The RL loop (miles.driver.train) for ``steps`` steps in this process; the Colocated it ran on, and the plan."""
+    co = train_in_process(apply_overrides(cfg, [f"num_steps={steps}"]), disk_dir=str(tmp_path / "offload"))
+    return co, HandoffPlan.from_config(cfg.handoff)
 
 
 def executed_plan_steps(co):
