@@ -1,7 +1,8 @@
 """Benchmarks behind ``miles bench NAME``: each is a module ``benchmarks/<name>.py`` of the repository (hyphens
 become underscores) exposing ``run(argv: list[str]) -> dict``. Results are JSON, written atomically to
 ``benchmarks/results/<name>.{cpu,gpu}.json`` with the machine, date and command; BENCHMARKS.md quotes them.
-They live outside the ``miles`` package: what a test or notebook needs from a measurement is in the library.
+They live outside the ``miles`` package; a harness that tests or notebooks call as well stays in its benchmark
+module (a notebook puts the checkout on sys.path with ``miles.cli.bench.benchmarks()``, as ``miles bench`` does).
 ``*_probe.py`` files are one-off scripts run by path (their docstring says how), not ``miles bench`` names."""
 
 from __future__ import annotations

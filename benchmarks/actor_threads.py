@@ -28,6 +28,7 @@ import torch
 from miles.config import apply_overrides
 from miles.recipes import get_recipe
 from miles.rollout.manager import RolloutManager
+from miles.sources import make_sources
 from miles.threads import COMPUTE_THREAD_ENV, ComputeThread
 
 
@@ -124,7 +125,7 @@ def run(argv: list[str]) -> dict:
                     ray.get(actor.named_weights.remote())  # Ray's task thread touches torch, as a sync does
                 ray.kill(actor)
                 time.sleep(1.0)  # let the killed process go before the next variant starts
-            local = RolloutManager(cfg, "cpu")
+            local = RolloutManager(cfg, "cpu", sources=make_sources)
             for step in range(2 + args.calls):
                 t0 = time.perf_counter()
                 local.generate(step)

@@ -90,11 +90,12 @@ def in_process_rewards(seed: int, overrides: list[str]) -> list[dict]:
     from miles.policy.objective import resolved_trainer
     from miles.recipes import quickstart
     from miles.rollout.manager import RolloutManager
+    from miles.sources import make_sources
     from miles.train.torch_backend import TorchBackend
 
     torch.set_num_threads(1)
     cfg = apply_overrides(quickstart(), [f"seed={seed}", *overrides])
-    manager = RolloutManager(cfg)
+    manager = RolloutManager(cfg, sources=make_sources)
     trainer = TorchBackend(
         cfg.model, resolved_trainer(cfg), seed=seed, temperature=cfg.rollout.temperature, offload_policy="none"
     )

@@ -43,6 +43,7 @@ LAYERS = [
             ("miles/agents/", "session servers, harness, abort / flush"),
             ("miles/data/", "prompt datasets, verifiers, held-out eval"),
             ("miles/envs/", "reset / step environments, chat templates, tool calls"),
+            ("miles/sources.py", "the run's sample sources, handed to the manager"),
         ],
     ),
     (

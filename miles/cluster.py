@@ -167,16 +167,6 @@ def kill_process_trees(pids: list[int]) -> None:
     psutil.wait_procs(procs, timeout=5)
 
 
-def sample_source_factory(cfg: RunConfig):
-    """The sample source handed to the RolloutManager: environment episodes for env.name (miles.envs), else None (the
-    manager's own task, dataset or agent source)."""
-    if not cfg.env.name:
-        return None
-    from miles.envs.source import EnvSource
-
-    return EnvSource
-
-
 class Cluster(PlanExecutor):
     """with Cluster(cfg) as c: c.execute(plan.init, version=0); c.rollout.generate.remote(step); c.trainer.train(...)
 
@@ -192,6 +182,7 @@ class Cluster(PlanExecutor):
         from ray.util.placement_group import placement_group
 
         from miles.rollout.manager import RolloutManager
+        from miles.sources import make_sources
 
         self.cfg = cfg
         check_environment(cfg)  # before Ray starts: GPUs, SGLang, the model's files (miles.preflight)
@@ -239,7 +230,7 @@ class Cluster(PlanExecutor):
             .remote(
                 cfg,
                 self.device,
-                source_factory=sample_source_factory(cfg),
+                sources=make_sources,
                 hosts=self.engine_hosts,
                 api_key=engine_api_key(cfg) if self.engine_hosts else "",
             )

@@ -17,12 +17,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from miles.cluster import sample_source_factory
 from miles.config import RunConfig
 from miles.handoff import TRAIN_ALL, Step
 from miles.memory import LedgerEvent
 from miles.plan_executor import PlanExecutor
 from miles.rollout.manager import RolloutManager
+from miles.sources import make_sources
 from miles.train.backend import build_backend, read_checkpoint_files, sample_log_probs, write_checkpoint_files
 from miles.train.torch_backend import TorchBackend
 from miles.watchdog import Unwatched
@@ -49,7 +49,7 @@ class Colocated(PlanExecutor):
                 f"miles.cluster.Cluster for more ranks"
             )
         self.cfg, self.device = cfg, device
-        self.manager = self.rollout = RolloutManager(cfg, device, source_factory=sample_source_factory(cfg))
+        self.manager = self.rollout = RolloutManager(cfg, device, sources=make_sources)
         self.trainer = LocalTrainer(self)
         self.ledger = self.manager.ledger
         self.disk_dir = disk_dir

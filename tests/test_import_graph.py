@@ -149,15 +149,6 @@ def room_cycles(root: Path, layers: list) -> list[list[str]]:
     return cycles(edges)
 
 
-# Upward arrows that stand while the moves that remove them land one by one (tests/test_import_graph.py shrinks to
-# none): the manager still picks its sample source (agents, data); a measurement harness still inside quant/.
-KNOWN_UPWARD = {
-    ("miles/rollout/", "miles/agents/"),
-    ("miles/rollout/", "miles/data/"),
-    ("miles/quant/", "miles/model/"),
-}
-
-
 def test_every_room_of_miles_is_declared_on_one_floor_of_docs_architecture():
     layers = declared_layers()
     declared = [room for _, rooms in layers for room, _ in rooms]
@@ -166,25 +157,15 @@ def test_every_room_of_miles_is_declared_on_one_floor_of_docs_architecture():
 
 
 def test_no_room_of_miles_imports_a_room_on_a_floor_above_it():
-    layers = declared_layers()
-    found = upward_arrows(PKG, layers)
-    unknown = [
-        a for a in found if tuple(a.split(" (floor")[0:1] + [a.split("-> ")[1].split(" (floor")[0]]) not in KNOWN_UPWARD
-    ]
-    assert unknown == [], (
-        "upward imports (import from a lower floor, or move the room; docs/architecture.py):\n" + "\n".join(unknown)
+    found = upward_arrows(PKG, declared_layers())
+    assert found == [], (
+        "upward imports (import from a lower floor, or move a room; docs/architecture.py):\n" + "\n".join(found)
     )
-    gone = {k for k in KNOWN_UPWARD if (k[0], k[1]) not in room_graph(PKG, layers)}
-    assert gone == set(), f"{gone} no longer import upward: take them out of KNOWN_UPWARD"
 
 
 def test_no_two_rooms_of_miles_import_each_other_around_a_circle():
-    found = [c for c in room_cycles(PKG, declared_layers()) if not _known(c)]
+    found = room_cycles(PKG, declared_layers())
     assert found == [], "rooms in a circle: " + "; ".join(" <-> ".join(c) for c in found)
-
-
-def _known(cycle: list[str]) -> bool:
-    return any(a in cycle and b in cycle for a, b in KNOWN_UPWARD)
 
 
 def test_the_picture_is_drawn_from_the_declared_layers():

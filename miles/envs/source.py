@@ -4,8 +4,8 @@ Each step draws ``rollout.num_prompts_per_step`` task rows from ``data.train`` (
 position saved with checkpoints), opens ``n_samples_per_prompt`` episodes of the environment per row, and runs them
 to their end through the run's engines (miles.envs.runner). A sample is one episode: its exact trajectory tokens, the
 engine's log-probs, the loss mask over the sampled tokens only, the sum of its turn rewards, and its turn and
-tool-call spans for the dashboard. The RolloutManager is handed this class (``source_factory``) by the cluster;
-it does not import it.
+tool-call spans for the dashboard. miles.sources.make_sources builds it for ``env.name`` and hands it to the
+RolloutManager, which does not import it.
 
     source = EnvSource(cfg, tokenizer, engines)
     samples, metrics = source.samples(step)        # metrics: env/* (turns, tool calls, errors, drift) and time/*

@@ -1,7 +1,8 @@
 """RolloutManager: a sample source's samples -> rewards -> group advantages -> metrics -> per-rank train batches.
 
-It owns the engines (embedded in-process, or reached over HTTP), the sample source (a task's prompts or agent
-episodes, miles.rollout.sources; a prompt dataset, miles.data.source) and the tokenizer, and exposes the engines' memory controls to the handoff plan.
+It owns the engines (embedded in-process, or reached over HTTP), the sample source it is handed (a task's prompts,
+agent episodes or a prompt dataset: miles.sources) and the tokenizer, and exposes the engines' memory controls to
+the handoff plan.
 It runs as a Ray actor in a run, or in-process in tests.
 """
 
@@ -10,24 +11,23 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 
 import torch
 
 from miles import heartbeat
-from miles.agents.source import AgentSource
 from miles.config import RunConfig
 from miles.memory import MemoryLedger
 from miles.model.tokenizer import load_tokenizer
 from miles.nodes import NodeInfo, this_node
 from miles.policy.dapo import fill_groups, round_key
 from miles.protocols.engine import ReceivesInProcess, UpdateCalls, supports
-from miles.reward.scorer import calls_to_start, pool_for
+from miles.reward.scorer import pool_for
 from miles.rollout.engine import EmbeddedEngine
 from miles.rollout.engine_host import hosted_engines
 from miles.rollout.launch import spawn_miles_servers, spawn_sglang_servers
 from miles.rollout.router import Router
 from miles.rollout.sglang_client import SGLangClient
-from miles.rollout.sources import SampleSource, TaskSource
 from miles.rollout.tail import RoundLog, assign_advantages, rollout_metrics, shape_overlong_of, to_shards
 from miles.samples import Sample, TrainBatch
 from miles.sglang_flags import STANDIN
@@ -35,18 +35,18 @@ from miles.threads import init_on_compute_thread, on_compute_thread
 
 
 class RolloutManager(UpdateCalls):
-    """manager = RolloutManager(cfg, device="cpu")
+    """manager = RolloutManager(cfg, device="cpu", sources=make_sources)   # miles.sources
     batches, metrics = manager.generate(step)        # one TrainBatch per data-parallel rank
     manager.offload(["cuda_graph", "kv_cache", "weights"]); ...; manager.onload(["weights"])
     manager.update_weights_from_bucket(handle, None); manager.set_weight_version(step + 1)
     """
 
     @init_on_compute_thread("rollout-compute")  # built and run on one thread: see miles/threads.py
-    def __init__(self, cfg: RunConfig, device: str = "cpu", source_factory=None, hosts: tuple = (), api_key: str = ""):
-        """``source_factory(cfg, tokenizer, engines)`` makes the sample source when given (miles.cluster hands in
-        miles.envs.source.EnvSource for env.name); without it, the task, dataset or agent source as configured.
-        ``hosts``: EngineHost actors that start the engine servers on their nodes (cluster.engine_nodes), reached
-        with ``api_key``; without them the engines live here or are launched beside this process."""
+    def __init__(self, cfg: RunConfig, device: str = "cpu", *, sources: Callable, hosts: tuple = (), api_key: str = ""):
+        """``sources(cfg, tokenizer, engines, rewards)`` makes the run's sample sources (miles.sources.make_sources):
+        handed in from above, so the manager knows no source. ``hosts``: EngineHost actors that start the engine
+        servers on their nodes (cluster.engine_nodes), reached with ``api_key``; without them the engines live here
+        or are launched beside this process."""
         heartbeat.name("rollout")  # under the stall watchdog: its stack file is rollout-<pid>.txt
         self.cfg = cfg
         if cfg.num_threads:
@@ -66,24 +66,14 @@ class RolloutManager(UpdateCalls):
                 for i in range(r.num_engines)
             ]
         self.rewards = pool_for(cfg.data)  # reward worker processes (miles.reward), started below if the run needs them
-        self.tasks = TaskSource(cfg, self.tokenizer, self.engines, self.rewards)  # also the SFT warm-up's answers
-        self.source: SampleSource = (
-            AgentSource(cfg, self.engines, self.tokenizer) if cfg.task.name == "swe" else self.tasks
+        found = sources(cfg, self.tokenizer, self.engines, self.rewards)  # miles.sources.make_sources, in a run
+        self.source, self.sft_source, self.data, self._evaluator = (
+            found.source,
+            found.sft,
+            found.data,
+            found.make_evaluator,
         )
-        self.data = None  # a prompt dataset replaces the task when data.train is set (miles.data.source)
-        if cfg.data.train and source_factory is None:
-            from miles.data.source import DatasetSource
-
-            self.data = self.source = DatasetSource(cfg, self.tokenizer, self.engines, self.rewards)
-        if source_factory is not None:  # it takes data.train's rows itself; SFT demonstrations and eval come from it
-            self.data = self.source = source_factory(cfg, self.tokenizer, self.engines)
-        elif cfg.env.name:
-            raise ValueError(
-                f"env.name = {cfg.env.name!r} needs the environment sample source: RolloutManager(cfg, "
-                "source_factory=miles.envs.source.EnvSource) (miles.cluster.Cluster and miles.colocated.Colocated pass it)"
-            )
-        # the workers load the reward while the run starts up (an environment scores its own episodes: none)
-        self.rewards.start([] if source_factory is not None else calls_to_start(cfg))
+        self.rewards.start(found.reward_calls)  # the workers load the reward while the run starts up
         self.evaluator = None  # built on the first eval (miles.data.eval)
         self.last_samples: list[Sample] = []
 
@@ -118,14 +108,9 @@ class RolloutManager(UpdateCalls):
 
     @on_compute_thread
     def evaluate(self, step: int) -> dict[str, float]:
-        """Held-out eval of data.eval with the engines' current weights (miles.data.eval)."""
-        if callable(getattr(self.source, "evaluate", None)):  # a source with its own eval (environment episodes)
-            return self.source.evaluate(step)
+        """Held-out eval with the engines' current weights (data.eval: miles.data.eval; an environment's own)."""
         if self.evaluator is None:
-            from miles.data.eval import Evaluator
-
-            rows = self.data.dataset.rows if self.data else []
-            self.evaluator = Evaluator(self.cfg, self.tokenizer, self.engines, rows, pool=self.rewards)
+            self.evaluator = self._evaluator()
         return self.evaluator.evaluate(step)
 
     def data_state(self, next_step: int) -> dict | None:
@@ -145,8 +130,7 @@ class RolloutManager(UpdateCalls):
     @on_compute_thread
     def sft_batches(self, step: int) -> list[TrainBatch]:
         """Reference answers as train batches (for a supervised warm-up), one per rank."""
-        source = self.data if self.data is not None else self.tasks
-        samples = source.prompts(10_000_000 + step, with_targets=True)
+        samples = self.sft_source.prompts(10_000_000 + step, with_targets=True)
         return to_shards(samples, self.tokenizer.pad_token_id, self.cfg.trainer.world_size)
 
     def sample_rows(self, train_log_probs: dict[int, list[float]] | None = None) -> list[dict]:

@@ -10,6 +10,7 @@ from miles.agents.launcher import free_port_range
 from miles.config import apply_overrides
 from miles.recipes import get_recipe
 from miles.rollout.manager import RolloutManager
+from miles.sources import make_sources
 from miles.train.torch_backend import TorchBackend
 
 
@@ -31,7 +32,7 @@ def test_agent_swe_recipe_rolls_out_flushes_both_instances_and_trains_one_step(t
             "num_threads=1",
         ],
     )
-    manager = RolloutManager(cfg, "cpu")
+    manager = RolloutManager(cfg, "cpu", sources=make_sources)
     try:
         batches, metrics = manager.generate(step=0)
     finally:

@@ -10,6 +10,7 @@ from miles.data.dataset import BadRowError, PromptDataset, load_rows
 from miles.data.generate import generated_train, split_path
 from miles.recipes import quickstart
 from miles.rollout.manager import RolloutManager
+from miles.sources import make_sources
 
 
 def small_cfg(tmp_path, *overrides):
@@ -33,7 +34,7 @@ def small_cfg(tmp_path, *overrides):
 
 def test_the_source_draws_the_seeded_order_and_restores_a_position(tmp_path):
     cfg = small_cfg(tmp_path)
-    m = RolloutManager(cfg, device="cpu")
+    m = RolloutManager(cfg, device="cpu", sources=make_sources)
     batches, metrics = m.generate(0)
     rows, _ = load_rows("t", cfg.data.train, cfg.data)
     order = [r.prompt for r in PromptDataset(rows, seed=cfg.seed).take(6)]
@@ -42,14 +43,14 @@ def test_the_source_draws_the_seeded_order_and_restores_a_position(tmp_path):
     assert batches[0].tokens.shape[0] == 6
     m.save_data_state(str(tmp_path), 1)
     assert json.loads((tmp_path / "data_state.json").read_text())["index"] == 3
-    m2 = RolloutManager(cfg, device="cpu")
+    m2 = RolloutManager(cfg, device="cpu", sources=make_sources)
     m2.load_data_state(str(tmp_path))
     m2.generate(1)
     assert [s.prompt for s in m2.last_samples[::2]] == order[3:]
 
 
 def test_the_evaluator_reports_consistent_figures_per_dataset_and_overall(tmp_path):
-    m = RolloutManager(small_cfg(tmp_path), device="cpu")
+    m = RolloutManager(small_cfg(tmp_path), device="cpu", sources=make_sources)
     out = m.evaluate(0)
     for name in ("mixed_test", "all"):
         assert out[f"eval/{name}/num_problems"] == 5
@@ -59,7 +60,11 @@ def test_the_evaluator_reports_consistent_figures_per_dataset_and_overall(tmp_pa
 
 def test_a_prompt_longer_than_the_engine_allows_is_a_bad_row(tmp_path):
     with pytest.raises(BadRowError, match=r"row \d+ field 'prompt': the prompt is \d+ tokens, over the 20"):
-        RolloutManager(small_cfg(tmp_path, "data.max_prompt_tokens=20"), device="cpu").generate(0)
-    m = RolloutManager(small_cfg(tmp_path, "data.max_prompt_tokens=20", "data.skip_bad_rows=true", "data.eval="), "cpu")
+        RolloutManager(small_cfg(tmp_path, "data.max_prompt_tokens=20"), device="cpu", sources=make_sources).generate(0)
+    m = RolloutManager(
+        small_cfg(tmp_path, "data.max_prompt_tokens=20", "data.skip_bad_rows=true", "data.eval="),
+        "cpu",
+        sources=make_sources,
+    )
     with pytest.raises(ValueError, match="every row of data.train is too long"):
         m.generate(0)

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from miles.config import apply_overrides
-from miles.envs.source import EnvSource
 from miles.policy.logprob import log_probs_and_entropy
 from miles.recipes import quickstart
+from miles.rollout.engine import EmbeddedEngine
 from miles.rollout.manager import RolloutManager
-from miles.rollout.server import build_engine
+from miles.sources import make_sources
 
 
 @pytest.mark.timeout(300)
@@ -31,13 +31,13 @@ def test_multi_turn_episodes_over_http_keep_the_exact_tokens_the_engine_sampled_
             f"data.train={path}", f"run_dir={tmp_path / 'run'}",
         ],
     )  # fmt: skip
-    m = RolloutManager(cfg, "cpu", source_factory=EnvSource)
+    m = RolloutManager(cfg, "cpu", sources=make_sources)
     try:
         _, metrics = m.generate(0)
     finally:
         m.close()
     assert metrics["env/episodes_done"] == 4 and metrics["env/turns"] == 3
-    model = build_engine(cfg, "cpu").model  # same config and seed: the served engine's weights
+    model = EmbeddedEngine.from_config(cfg, "cpu").model  # same config and seed: the served engine's weights
     for s in m.last_samples:
         seq = torch.tensor(s.tokens)
         with torch.no_grad():

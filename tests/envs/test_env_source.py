@@ -15,6 +15,7 @@ from miles.config import apply_overrides
 from miles.envs.source import EnvSource
 from miles.recipes import quickstart
 from miles.rollout.manager import RolloutManager
+from miles.sources import make_sources
 
 FAULTS = ["none", "raise", "hang", "garbage", "nan", "reset_raises"]
 
@@ -47,7 +48,7 @@ def cfg_for(tmp_path, env: str, faults=FAULTS, *extra):
 
 
 def test_an_env_that_raises_hangs_or_returns_garbage_fails_its_episode_not_the_run(tmp_path):
-    m = RolloutManager(cfg_for(tmp_path, "faulty_envs:FaultyEnv"), "cpu", source_factory=EnvSource)
+    m = RolloutManager(cfg_for(tmp_path, "faulty_envs:FaultyEnv"), "cpu", sources=make_sources)
     t0 = time.perf_counter()
     batches, metrics = m.generate(0)
     took = time.perf_counter() - t0
@@ -79,12 +80,12 @@ def test_an_env_that_raises_hangs_or_returns_garbage_fails_its_episode_not_the_r
 
 def test_turns_and_tokens_are_bounded(tmp_path):
     cfg = cfg_for(tmp_path, "faulty_envs:TwoTurnEnv", ["none"] * 2, 'env.args={"turns": 50}', "env.max_turns=3")
-    m = RolloutManager(cfg, "cpu", source_factory=EnvSource)
+    m = RolloutManager(cfg, "cpu", sources=make_sources)
     _, metrics = m.generate(0)
     assert metrics["env/episodes_max_turns"] == 2 and metrics["env/turns"] == 3
     cfg = cfg_for(tmp_path, "faulty_envs:TwoTurnEnv", ["none"] * 2, "env.args={\"turns\": 50}", "env.max_turns=50",
                   "env.max_episode_tokens=80")  # fmt: skip
-    m = RolloutManager(cfg, "cpu", source_factory=EnvSource)
+    m = RolloutManager(cfg, "cpu", sources=make_sources)
     m.generate(0)
     for s in m.last_samples:
         assert s.metadata["status"] == "budget" and len(s.tokens) <= 80
@@ -93,7 +94,7 @@ def test_turns_and_tokens_are_bounded(tmp_path):
 def test_a_flush_aborts_the_turn_in_flight_and_counts_the_aborted_episodes(tmp_path):
     cfg = cfg_for(tmp_path, "faulty_envs:TwoTurnEnv", ["none"] * 4, "rollout.max_new_tokens=200", "env.args={\"turns\": 50}",
                   "env.max_turns=50", "rollout.temperature=1.0", "model.vocab_size=264")  # fmt: skip
-    m = RolloutManager(cfg, "cpu", source_factory=EnvSource)
+    m = RolloutManager(cfg, "cpu", sources=make_sources)
     runner = m.source.runner
     timer = threading.Timer(0.5, runner.flush)
     timer.start()
@@ -115,9 +116,7 @@ def test_env_config_errors_name_the_value_and_the_fix(tmp_path):
         RolloutManager(
             cfg_for(tmp_path, "faulty_envs:TwoTurnEnv", ["none"], 'env.args={"rounds": 3}'),
             "cpu",
-            source_factory=EnvSource,
+            sources=make_sources,
         )
     with pytest.raises(ValueError, match="env.args = .* is not JSON"):
         cfg_for(tmp_path, "calculator", ["none"], "env.args={rounds: 3}")
-    with pytest.raises(ValueError, match="source_factory=miles.envs.source.EnvSource"):
-        RolloutManager(cfg_for(tmp_path, "calculator", ["none"]), "cpu")

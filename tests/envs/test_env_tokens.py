@@ -17,7 +17,7 @@ from miles.envs.drift import compare, rerender_ids  # noqa: E402
 from miles.envs.episode import Episode, Limits  # noqa: E402
 from miles.envs.renderer import Renderer  # noqa: E402
 from miles.envs.runner import EpisodeRunner  # noqa: E402
-from miles.rollout.engine import GenerateOutput, SamplingParams  # noqa: E402
+from miles.protocols.engine import GenerateOutput, SamplingParams  # noqa: E402
 
 QUESTION = "What is (12 + 7) * 3 - 4 * 5? Give the final answer as a number."
 CALLS = [("12 + 7", "19"), ("19 * 3", "57"), ("57 - 4 * 5", "37")]

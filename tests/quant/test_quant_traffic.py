@@ -6,6 +6,7 @@ import json
 import pytest
 import torch
 
+from benchmarks.quant_traffic import measure_recipe
 from miles.memory.traffic import (
     BYTES_PER_ELEMENT,
     RECIPES,
@@ -17,7 +18,6 @@ from miles.memory.traffic import (
 )
 from miles.model.size import HF_CONFIG_DIR
 from miles.model.toy_moe import SIZES, TinyMoE
-from miles.quant.offload_traffic import measure_recipe
 
 CONFIGS = HF_CONFIG_DIR  # the HF configs shipped with miles (not a path outside the repository)
 CFG = SIZES["cpu"]  # 1 layer, 4 experts: every dim a multiple of 128, so every recipe fits

@@ -7,9 +7,9 @@ import pytest
 import torch
 from torch import nn
 
+from benchmarks.quant_traffic import measure_recipe, offload_once, train_step
 from miles.model.toy_moe import SIZES, TinyMoE
 from miles.quant import apply_precision, clear_quantized_workspaces, quantized_workspace_tensors
-from miles.quant.offload_traffic import measure_recipe, offload_once, train_step
 
 CFG = SIZES["cpu"]  # 1 layer, 4 experts: every dim a multiple of 128, so every recipe fits
 
@@ -106,7 +106,7 @@ def test_transformer_engine_linear_workspaces_are_cleared():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_graphs_skip_and_move_the_same_bytes_on_the_gpu():
-    from miles.quant.offload_traffic import cuda_graph_check
+    from benchmarks.quant_traffic import cuda_graph_check
 
     for recipe in ("bf16", "mxfp8"):
         r = cuda_graph_check(CFG, recipe, torch.device("cuda"))

@@ -5,6 +5,7 @@ from miles.config import apply_overrides
 from miles.policy.dapo import uniform_groups
 from miles.recipes import quickstart
 from miles.rollout.manager import RolloutManager
+from miles.sources import make_sources
 
 TINY = [
     "model.hidden_size=32",
@@ -19,7 +20,9 @@ TINY = [
 
 
 def test_dynamic_sampling_keeps_the_batch_size_and_counts_its_rounds():
-    manager = RolloutManager(apply_overrides(quickstart(), TINY + ["rollout.dynamic_sampling=true"]))
+    manager = RolloutManager(
+        apply_overrides(quickstart(), TINY + ["rollout.dynamic_sampling=true"]), sources=make_sources
+    )
     [batch], m = manager.generate(0)
     samples = manager.last_samples
     assert len(samples) == 12 and batch.tokens.shape[0] == 12
@@ -34,9 +37,11 @@ def test_dynamic_sampling_keeps_the_batch_size_and_counts_its_rounds():
 
 def test_overlong_filter_masks_truncated_responses_and_the_penalty_lowers_their_reward():
     base = apply_overrides(quickstart(), TINY)
-    plain = RolloutManager(base)
+    plain = RolloutManager(base, sources=make_sources)
     plain.generate(0)
-    shaped = RolloutManager(apply_overrides(base, ["rollout.overlong_filter=true", "rollout.overlong_buffer_len=1"]))
+    shaped = RolloutManager(
+        apply_overrides(base, ["rollout.overlong_filter=true", "rollout.overlong_buffer_len=1"]), sources=make_sources
+    )
     [batch], m = shaped.generate(0)
     cut = [s.finish_reason == "length" for s in shaped.last_samples]
     assert any(cut) and m["overlong_frac"] == sum(cut) / len(cut)  # a random model often runs to the budget

@@ -8,6 +8,7 @@ import torch
 
 from miles.rollout.manager import RolloutManager
 from miles.rollout.router import Router
+from miles.sources import make_sources
 from miles.sync.tensor import TensorSync
 from tests.conftest import tiny_run_cfg
 
@@ -15,9 +16,9 @@ pytestmark = pytest.mark.timeout(180)
 
 
 def test_http_rollout_matches_the_embedded_reference(tmp_path):
-    embedded = RolloutManager(tiny_run_cfg(tmp_path, "rollout.num_engines=2"))
+    embedded = RolloutManager(tiny_run_cfg(tmp_path, "rollout.num_engines=2"), sources=make_sources)
     http_cfg = tiny_run_cfg(tmp_path, "rollout.num_engines=2", "rollout.engine=http")
-    http = RolloutManager(http_cfg)
+    http = RolloutManager(http_cfg, sources=make_sources)
     try:
         assert len(http.engines) == 1 and isinstance(http.engines[0], Router)
         for step in range(2):

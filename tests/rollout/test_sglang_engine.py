@@ -19,6 +19,7 @@ from miles.rollout.launch import (
     spawn_sglang_servers,
 )
 from miles.rollout.manager import sglang_engines
+from miles.sources import make_sources
 from tests.conftest import tiny_run_cfg
 
 pytestmark = pytest.mark.timeout(120)
@@ -153,7 +154,7 @@ def recorded_manager(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("plan")
     cfg = _standin(tmp, "rollout.max_batch_size=8", "rollout.max_seq_len=32")
-    manager = RolloutManager(cfg, device="cpu")
+    manager = RolloutManager(cfg, device="cpu", sources=make_sources)
     calls = []
     (client,) = manager.engines
     client.http.event_hooks["request"].append(lambda req: calls.append(req))

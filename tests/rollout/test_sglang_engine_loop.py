@@ -31,9 +31,10 @@ def test_the_loop_runs_over_two_launched_sglang_engines_with_every_sync_checked_
 @pytest.mark.timeout(240)
 def test_a_killed_sglang_server_is_restarted_while_the_manager_keeps_generating(tmp_path):
     from miles.rollout.manager import RolloutManager
+    from miles.sources import make_sources
 
     cfg = tiny_run_cfg(tmp_path, *STANDIN, "rollout.num_engines=2", "rollout.max_batch_size=32")
-    manager = RolloutManager(cfg, device="cpu")
+    manager = RolloutManager(cfg, device="cpu", sources=make_sources)
     try:
         (router,) = manager.engines
         manager.set_weight_version(0)

@@ -170,10 +170,11 @@ CUDA_SENDER = textwrap.dedent(
 @pytest.mark.parametrize("device_as", ["index", "uuid"])
 def test_a_cuda_ipc_payload_updates_a_cuda_engine(conf_cfg, device_as):
     """SGLang's and slime's colocated path on a GPU: CUDA IPC handles (with SGLang's device-UUID patch too)."""
-    from miles.rollout.server import EngineServer, build_engine
+    from miles.rollout.engine import EmbeddedEngine
+    from miles.rollout.server import EngineServer
     from tests.rollout.conftest import ThreadedServer
 
-    with ThreadedServer(EngineServer(build_engine(conf_cfg, "cuda"))) as s:
+    with ThreadedServer(EngineServer(EmbeddedEngine.from_config(conf_cfg, "cuda"))) as s:
         engine = s.server.engine
         spec = _spec(engine, ["model.norm.weight", "model.layers.0.mlp.up_proj.weight"], seed=6)
         out = subprocess.run(
