@@ -22,7 +22,6 @@ from miles.protocols.engine import (
     EngineError,
     GenerateOutput,
     GenerateRequest,
-    SamplingParams,  # noqa: F401 - re-exported: callers import the request types from here
     UpdateCalls,
     WeightsNotSynced,
 )
