@@ -33,14 +33,14 @@ from miles.threads import COMPUTE_THREAD_ENV, ComputeThread
 
 
 class _Threaded(RolloutManager):
-    def __init__(self, *args):
-        RolloutManager.__init__.__wrapped__(self, *args)  # built on the thread Ray constructs the actor on
+    def __init__(self, *args, **kwargs):
+        RolloutManager.__init__.__wrapped__(self, *args, **kwargs)  # built on the thread Ray constructs the actor on
         self.compute = None  # calls run on Ray's task threads
 
 
 class _HotOnly(_Threaded):
-    def __init__(self, *args):
-        super().__init__(*args)
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
         self.compute = ComputeThread("hot-only")  # generate hops to this one
 
 
@@ -114,7 +114,11 @@ def run(argv: list[str]) -> dict:
         for _ in range(args.rounds):
             for name, (cls, concurrency, flag) in VARIANTS.items():
                 env = {"runtime_env": {"env_vars": {COMPUTE_THREAD_ENV: "1"}}} if flag else {}
-                actor = ray.remote(cls).options(num_cpus=0, max_concurrency=concurrency, **env).remote(cfg, "cpu")
+                actor = (
+                    ray.remote(cls)
+                    .options(num_cpus=0, max_concurrency=concurrency, **env)
+                    .remote(cfg, "cpu", sources=make_sources)
+                )
                 for step in range(2):  # warm-up
                     ray.get(actor.generate.remote(step))
                     ray.get(actor.named_weights.remote())

@@ -53,7 +53,7 @@ class PlanExecutor:
     def run_step(self, s: Step, version: int | None, *, built=None, warm_up=None) -> int | None:
         """One step; the bytes it moved, or None for a step that moves none by definition (build, clear, sync)."""
         if s.owner == "engine" and s.verb.startswith(("offload", "onload")):
-            return call(self.rollout, "offload" if s.verb.startswith("offload") else "onload", list(s.tags))
+            return call(self.rollout.offload if s.verb.startswith("offload") else self.rollout.onload, list(s.tags))
         if s.owner == "trainer" and s.verb in ("build", "clear_memory"):
             getattr(self.trainer, s.verb)()
             if s.verb == "build" and built is not None:

@@ -142,6 +142,17 @@ class EngineMemory(Protocol):
 
 
 @runtime_checkable
+class Pausable(Protocol):
+    """Generation held around a weight load (every Engine has it; a bare weight receiver may not)."""
+
+    def pause_generation(self, mode: str = "in_place") -> None: ...
+
+    def flush_cache(self) -> None: ...
+
+    def continue_generation(self) -> None: ...
+
+
+@runtime_checkable
 class Transactional(Protocol):
     """Weight updates as transactions: a failure between begin and commit keeps the previous version."""
 

@@ -172,7 +172,39 @@ class RolloutManager(UpdateCalls):
         return sum(e.onload(list(tags)) for e in self.engines) if tags else 0
 
     # ---- weight sync receive side (miles.sync.receiver): one transfer per process, applied to every engine ----
-    # (the calls every engine takes alike are fanned out below the class: FANNED_OUT)
+    # the calls every engine takes alike (miles.protocols.engine: Engine, Transactional), on each engine in order
+    def pause_generation(self, mode: str = "in_place") -> None:
+        for e in self.engines:
+            e.pause_generation(mode)
+
+    def continue_generation(self) -> None:
+        for e in self.engines:
+            e.continue_generation()
+
+    def flush_cache(self) -> None:
+        for e in self.engines:
+            e.flush_cache()
+
+    def update_weights_from_disk(self, path: str, version: int | None = None) -> None:
+        for e in self.engines:
+            e.update_weights_from_disk(path, version)
+
+    def update_weights_from_bucket(self, handle, version: int | None = None) -> None:
+        for e in self.engines:
+            e.update_weights_from_bucket(handle, version)
+
+    def set_weight_version(self, version: int) -> None:
+        for e in self.engines:
+            e.set_weight_version(version)
+
+    def begin_weight_update(self, manifest) -> None:
+        for e in self.engines:
+            e.begin_weight_update(manifest)
+
+    def abort_weight_update(self) -> None:
+        for e in self.engines:
+            e.abort_weight_update()
+
     def init_weights_update_group(
         self, master_address, master_port, rank_offset, world_size, group_name, backend="gloo"
     ):
@@ -341,30 +373,3 @@ def engine_health(engines) -> dict[str, int]:
     live = sum(len(r.live()) for r in routers) + len(engines) - len(routers)
     recovered = sum(kind == "recovered" for r in routers for _, kind, _ in r.events)
     return {"engines/live": live, "engines/recovered": recovered}
-
-
-# Engine calls (miles.protocols.engine.Engine, Transactional) that the manager makes on every engine it drives, in order.
-FANNED_OUT = (
-    "pause_generation",
-    "continue_generation",
-    "flush_cache",
-    "update_weights_from_disk",
-    "update_weights_from_bucket",
-    "set_weight_version",
-    "begin_weight_update",
-    "abort_weight_update",
-)
-
-
-def _fan_out(name: str):
-    def each_engine(self: RolloutManager, *args, **kwargs) -> None:
-        for e in self.engines:
-            getattr(e, name)(*args, **kwargs)
-
-    each_engine.__name__, each_engine.__qualname__ = name, f"RolloutManager.{name}"
-    each_engine.__doc__ = f"``{name}`` on every engine, in order (miles.protocols.engine)."
-    return each_engine
-
-
-for _name in FANNED_OUT:
-    setattr(RolloutManager, _name, _fan_out(_name))

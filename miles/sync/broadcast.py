@@ -66,13 +66,13 @@ class BroadcastSync(BucketSync):
     def _form_group(self) -> None:
         """Rank 0 here; each endpoint from the next free rank, as many ranks as it takes (an engine process one,
         a real SGLang server one per tensor-parallel worker, a router the sum over its live servers)."""
-        asks = [submit(e, "broadcast_formats") if hasattr(e, "broadcast_formats") else None for e in self.engines]
+        asks = [submit(e.broadcast_formats) if hasattr(e, "broadcast_formats") else None for e in self.engines]
         self.format = _agree([FORMATS if a is None else wait([a])[0] for a in asks])
-        ranks = wait([submit(e, "group_ranks") for e in self.engines])
+        ranks = wait([submit(e.group_ranks) for e in self.engines])
         addr, port, world = _address(), free_port(""), 1 + sum(ranks)
         offsets = [1 + sum(ranks[:i]) for i in range(len(ranks))]
         joins = [
-            submit(e, "init_weights_update_group", addr, port, off, world, self.group_name, self.backend)
+            submit(e.init_weights_update_group, addr, port, off, world, self.group_name, self.backend)
             for e, off in zip(self.engines, offsets)
         ]
         self.group = make_group(addr, port, 0, world, self.group_name, self.backend, self.timeout_s)
@@ -90,7 +90,7 @@ class BroadcastSync(BucketSync):
     def _start(self, timer: SyncTimer) -> None:
         """A group that lost a member (a server restarted by the router) is formed again over who is live now."""
         super()._start(timer)
-        if not all(wait([submit(e, "in_weights_group", self.group_name) for e in self.engines])):
+        if not all(wait([submit(e.in_weights_group, self.group_name) for e in self.engines])):
             log.warning("broadcast group %s lost a member: forming a new group", self.group_name)
             self.close()
             self.group_name = f"miles-weights-{uuid.uuid4().hex[:8]}"
@@ -115,7 +115,7 @@ class BroadcastSync(BucketSync):
             torch.cuda.current_stream().synchronize()
         t = timer.add("pack", t)
         recvs = [
-            submit(e, "update_weights_from_distributed", names, dtypes, shapes, self.group_name, None, self.format)
+            submit(e.update_weights_from_distributed, names, dtypes, shapes, self.group_name, None, self.format)
             for e in self.engines
         ]
         broadcast(self.group, payload)
@@ -131,7 +131,7 @@ class BroadcastSync(BucketSync):
     def close(self) -> None:
         if self.group is not None:
             try:
-                wait([submit(e, "destroy_weights_update_group", self.group_name) for e in self.engines])
+                wait([submit(e.destroy_weights_update_group, self.group_name) for e in self.engines])
             except Exception:
                 log.exception("engines failed to leave weight update group %s", self.group_name)
             self.group = None

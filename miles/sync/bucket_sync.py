@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -102,7 +102,7 @@ class BucketSync:
             timer.add("commit", t)
         except Exception as e:
             self._abort()
-            self._each("continue_generation", quiet=True)
+            self._each(lambda e: e.continue_generation, quiet=True)
             raise SyncError(
                 f"{self.name} weight update to version {version} failed ({type(e).__name__}: {e}); "
                 "the engines aborted it and keep serving their previous version"
@@ -129,34 +129,35 @@ class BucketSync:
         pass
 
     def _abort(self) -> None:
-        self._each("abort_weight_update", only_transactional=True, quiet=True)
+        self._each(lambda e: e.abort_weight_update, only_transactional=True, quiet=True)
 
     def _open(self, manifest: WeightManifest) -> None:
         """pause -> flush -> begin on every engine: one call where the engine takes them together."""
-        self._each("pause_generation", "in_place", one_by_one=True)
-        self._each("flush_cache", one_by_one=True)
-        self._each("begin_weight_update", manifest, only_transactional=True, one_by_one=True)
-        wait([submit(e, "open_weight_update", manifest) for e, two in zip(self.engines, self._two_calls) if two])
+        self._each(lambda e: e.pause_generation, "in_place", one_by_one=True)
+        self._each(lambda e: e.flush_cache, one_by_one=True)
+        self._each(lambda e: e.begin_weight_update, manifest, only_transactional=True, one_by_one=True)
+        wait([submit(e.open_weight_update, manifest) for e, two in zip(self.engines, self._two_calls) if two])
 
     def _commit(self, version: int) -> None:
         """set version (commit) -> continue on every engine: one call where the engine takes them together."""
-        self._each("set_weight_version", version, one_by_one=True)
-        self._each("continue_generation", one_by_one=True)
-        wait([submit(e, "commit_weight_update", version) for e, two in zip(self.engines, self._two_calls) if two])
+        self._each(lambda e: e.set_weight_version, version, one_by_one=True)
+        self._each(lambda e: e.continue_generation, one_by_one=True)
+        wait([submit(e.commit_weight_update, version) for e, two in zip(self.engines, self._two_calls) if two])
 
     def _each(
-        self, method: str, *args, only_transactional: bool = False, quiet: bool = False, one_by_one: bool = False
+        self, method: Callable, *args, only_transactional: bool = False, quiet: bool = False, one_by_one: bool = False
     ) -> list:
-        """``method`` on every engine (only those that take a whole sync's steps one by one, if asked)."""
+        """``method(engine)`` (the engine's method: ``lambda e: e.flush_cache``) called on every engine (only those
+        that take a whole sync's steps one by one, if asked)."""
         engines = [
             e
             for e, ok, two in zip(self.engines, self._transactional, self._two_calls)
             if (ok or not only_transactional) and not (one_by_one and two)
         ]
         try:
-            return wait([submit(e, method, *args) for e in engines])
+            return wait([submit(method(e), *args) for e in engines])
         except Exception:
             if not quiet:
                 raise
-            log.exception("%s on the engines failed while cleaning up a weight update", method)
+            log.exception("a call on the engines failed while cleaning up a weight update")
             return []

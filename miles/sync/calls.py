@@ -1,27 +1,29 @@
 """Calling engines the same way whether they are in-process objects or Ray actor handles: ``submit`` starts a
-method (a Ray ObjectRef for an actor, the finished result for a local object), ``wait`` collects results in order.
+method, named by reference (``e.commit_weight_update``: a bound method, or a Ray actor method), and returns a Ray
+ObjectRef for an actor or the finished result for a local object; ``wait`` collects results in order.
 
-    pending = [submit(e, "commit_weight_update", version) for e in engines]
+    pending = [submit(e.commit_weight_update, version) for e in engines]
     wait(pending, timeout=60)        # raises the first remote error
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 
-def call(engine: Any, method: str, *args, **kwargs):
-    """Call ``method`` on an in-process engine or a Ray actor handle alike (blocking)."""
-    return wait([submit(engine, method, *args, **kwargs)])[0]
+def call(method: Callable, *args, **kwargs):
+    """Call an in-process engine's method or a Ray actor handle's alike (blocking): ``call(e.named_weights)``."""
+    return wait([submit(method, *args, **kwargs)])[0]
 
 
-def submit(engine: Any, method: str, *args, **kwargs):
-    """Start ``method``: a Ray ObjectRef for an actor handle, the result itself for an in-process engine."""
-    fn = getattr(engine, method)
-    if hasattr(fn, "remote"):
-        return fn.remote(*args, **kwargs)
-    return _Done(fn(*args, **kwargs))
+def submit(method: Callable, *args, **kwargs):
+    """Start ``method`` (``e.update_weights_from_bucket``): a Ray ObjectRef for an actor's method, the result itself
+    for an in-process engine's."""
+    if hasattr(method, "remote"):
+        return method.remote(*args, **kwargs)
+    return _Done(method(*args, **kwargs))
 
 
 def wait(pending: list, timeout: float | None = None) -> list:

@@ -180,7 +180,7 @@ class InPlaceSync:
                 self._bells[i].send(self._key, version)
             called = [i for i in range(len(self.engines)) if i not in rung]
             calls = [
-                submit(self.engines[i], "update_weights_in_place", known if i in self._opened_by else fresh, version)
+                submit(self.engines[i].update_weights_in_place, known if i in self._opened_by else fresh, version)
                 for i in called
             ]
             inside = wait(calls) + [self._bells[i].answer(self.timeout_s) for i in rung]

@@ -137,7 +137,7 @@ class RDTSync(BucketSync):
             torch.cuda.current_stream().synchronize()
         t = timer.add("stage", t)
         ref = self.me.__ray_call__.options(tensor_transport=self.transport).remote(_publish, self.sync_id, total)
-        recvs = [submit(e, "update_weights_from_rdt", ref, metas) for e in self.engines]
+        recvs = [submit(e.update_weights_from_rdt, ref, metas) for e in self.engines]
         wait(recvs, timeout=self.timeout_s)  # the bucket is reused next round: every engine must have pulled
         timer.add("pull", t)
 
@@ -160,7 +160,7 @@ class RDTSync(BucketSync):
         if any(x.is_cuda for x in self._round):
             torch.cuda.current_stream().synchronize()
         ref = self.me.__ray_call__.options(tensor_transport=self.transport).remote(_publish_round, self.sync_id)
-        wait([submit(e, "update_weights_from_rdt", ref, metas) for e in self.engines], timeout=self.timeout_s)
+        wait([submit(e.update_weights_from_rdt, ref, metas) for e in self.engines], timeout=self.timeout_s)
         self._round = []
         timer.add("pull", t)
 

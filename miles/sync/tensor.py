@@ -50,7 +50,7 @@ class TensorSync(BucketSync):
         t = timer.add("engine_wait", t)
         handle = self.staging.pack(slot, [(p.name, p.tensor) for p in pieces])
         timer.add("pack", t)
-        self._inflight[slot] = [submit(e, "update_weights_from_bucket", handle, None) for e in self.engines]
+        self._inflight[slot] = [submit(e.update_weights_from_bucket, handle, None) for e in self.engines]
 
     def _finish(self, timer: SyncTimer) -> None:
         t = time.perf_counter()

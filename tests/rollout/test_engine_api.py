@@ -7,7 +7,7 @@ import pytest
 
 from miles.protocols import engine as api
 from miles.rollout.engine import EmbeddedEngine
-from miles.rollout.manager import FANNED_OUT, RolloutManager
+from miles.rollout.manager import RolloutManager
 from miles.rollout.router import Router
 from miles.rollout.sglang_client import SGLangClient
 from miles.sync.tensor import TensorSync
@@ -62,7 +62,7 @@ def test_a_bucket_sync_warns_once_at_connect_about_an_engine_that_is_not_transac
     assert "has no begin_weight_update" in caplog.text and sync._transactional == [False]
 
 
-def test_the_rollout_manager_fans_out_each_engine_call_to_every_engine_in_order():
+def test_the_rollout_manager_makes_each_engine_call_on_every_engine_in_order():
     calls = []
 
     class Recorder:
@@ -70,13 +70,36 @@ def test_the_rollout_manager_fans_out_each_engine_call_to_every_engine_in_order(
             self.i = i
 
         def __getattr__(self, name):
-            return lambda *a, **k: calls.append((self.i, name, a, k))
+            return lambda *a: calls.append((self.i, name, *a))
 
-    manager = RolloutManager.__new__(RolloutManager)  # the fan-out needs only .engines
+    manager = RolloutManager.__new__(RolloutManager)  # these calls need only .engines
     manager.engines = [Recorder(0), Recorder(1)]
-    for name in FANNED_OUT:
-        getattr(manager, name)("x", version=3)
-    assert calls == [(i, name, ("x",), {"version": 3}) for name in FANNED_OUT for i in (0, 1)]
+    manager.pause_generation("retract")
+    manager.flush_cache()
+    manager.begin_weight_update("manifest")
+    manager.update_weights_from_bucket("handle")
+    manager.update_weights_from_disk("/w", 4)
+    manager.set_weight_version(5)
+    manager.abort_weight_update()
+    manager.continue_generation()
+    assert calls == [
+        (0, "pause_generation", "retract"),
+        (1, "pause_generation", "retract"),
+        (0, "flush_cache"),
+        (1, "flush_cache"),
+        (0, "begin_weight_update", "manifest"),
+        (1, "begin_weight_update", "manifest"),
+        (0, "update_weights_from_bucket", "handle", None),
+        (1, "update_weights_from_bucket", "handle", None),
+        (0, "update_weights_from_disk", "/w", 4),
+        (1, "update_weights_from_disk", "/w", 4),
+        (0, "set_weight_version", 5),
+        (1, "set_weight_version", 5),
+        (0, "abort_weight_update"),
+        (1, "abort_weight_update"),
+        (0, "continue_generation"),
+        (1, "continue_generation"),
+    ]
 
 
 @pytest.mark.parametrize("engine_cls", [EmbeddedEngine, SGLangClient, Router, RolloutManager])

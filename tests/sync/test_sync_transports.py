@@ -23,6 +23,7 @@ def actors(ray_session, tmp_path_factory):
     from ray import cloudpickle
 
     from miles.rollout.manager import RolloutManager
+    from miles.sources import make_sources
     from miles.sync.rdt import actor_options
     from miles.train.actor import TrainActor
 
@@ -32,7 +33,7 @@ def actors(ray_session, tmp_path_factory):
     engine = (
         ray.remote(RolloutManager)
         .options(num_cpus=0, enable_tensor_transport=True, max_concurrency=4)
-        .remote(cfg, "cpu")
+        .remote(cfg, "cpu", sources=make_sources)
     )
     ray.get([trainer.build.remote(), engine.weight_versions.remote()])  # the model, as the plan's trainer.build
     yield ray, trainer, engine
@@ -105,13 +106,13 @@ def _connect_rdt_in_place(actor, engines, timeout_s: float) -> str:
 # ---- tests ------------------------------------------------------------------------------------------------
 def test_a_rollout_manager_actor_handle_shows_the_capabilities_of_the_class_and_every_fanned_out_call(actors):
     from miles.protocols import engine as api
-    from miles.rollout.manager import FANNED_OUT, RolloutManager
+    from miles.rollout.manager import RolloutManager
 
     _, _, engine = actors
     caps = [api.Transactional, api.TwoCallUpdate, api.ReceivesBroadcast, api.ReceivesRDT, api.ReceivesInPlace]
     assert [api.supports(engine, c) for c in caps] == [api.supports(RolloutManager, c) for c in caps] == [True] * 5
     assert not api.supports(engine, api.ReceivesInProcess)  # a handle: its engines' receivers stay in the actor
-    assert all(hasattr(engine, name) for name in FANNED_OUT)
+    assert api.supports(engine, api.Pausable) and api.supports(engine, api.EngineMemory)
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)

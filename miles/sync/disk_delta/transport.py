@@ -28,6 +28,7 @@ import torch.distributed as dist
 import zstandard
 
 from miles.atomic import atomic_write_text, fsync_dir
+from miles.protocols.engine import Pausable, supports
 from miles.sync.buckets import host_bytes
 from miles.sync.calls import call
 from miles.sync.disk_delta.baseline import Baseline, MissingTensorError, save_baseline, trainer_layout
@@ -353,25 +354,15 @@ class DiskDeltaSync:
         self._baseline_written = True
         if self.rank == 0:
             for engine in self.engines:
-                _maybe_call(engine, "pause_generation", "in_place")
-                _maybe_call(engine, "flush_cache")
-                try:
-                    call(engine, "update_weights_from_disk", str(self.config.baseline), version)
-                finally:
-                    _maybe_call(engine, "continue_generation")
+                _load(engine, str(self.config.baseline), version)
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         self._metrics = {"bytes": nbytes, "disk_delta/baseline_bytes": nbytes, "seconds": time.perf_counter() - t0}
 
     # -- engine side (rank 0) -----------------------------------------------------------------------------------
 
     def _update_engines(self, version: int, gathered: list[dict]) -> None:
-        for engine in self.engines:  # pause -> flush -> load -> version -> continue, like every transport
-            _maybe_call(engine, "pause_generation", "in_place")
-            _maybe_call(engine, "flush_cache")
-            try:
-                call(engine, "update_weights_from_disk", str(self.root), version)
-            finally:
-                _maybe_call(engine, "continue_generation")
+        for engine in self.engines:
+            _load(engine, str(self.root), version)
         if self.config.check_weights:
             expected = {n: d for g in gathered for n, (_, d) in g["emitted"].items()}
             for i, engine in enumerate(self.engines):
@@ -417,9 +408,18 @@ def _owners(emitted_by_rank: list[dict[str, tuple[tuple, str]]]) -> dict[str, in
     return {name: rank for name, (rank, _, _) in first.items()}
 
 
-def _maybe_call(engine, method: str, *args) -> None:
-    if hasattr(engine, method):
-        call(engine, method, *args)
+def _load(engine, path: str, version: int) -> None:
+    """pause -> flush -> load (the version with it) -> continue, like every transport; an engine that cannot pause
+    (no Pausable methods) only loads."""
+    pauses = supports(engine, Pausable)
+    if pauses:
+        call(engine.pause_generation, "in_place")
+        call(engine.flush_cache)
+    try:
+        call(engine.update_weights_from_disk, path, version)
+    finally:
+        if pauses:
+            call(engine.continue_generation)
 
 
 def engine_weight_version(engine) -> int:
@@ -439,7 +439,7 @@ def check_engine_weights(
     got_version = engine_weight_version(engine)
     if got_version != version:
         raise RuntimeError(f"{label} reports weight_version {got_version} after syncing version {version}")
-    weights = call(engine, "named_weights")
+    weights = call(engine.named_weights)
     for name, digest in expected.items():
         if name not in weights:
             raise MissingTensorError(f"check_weights: {label} has no tensor {name!r} after version {version}")
