@@ -126,6 +126,10 @@ class DoorbellClient:
             body = _recv_exact(self._sock, _LENGTH.unpack(head)[0]) if head is not None else None
         except TimeoutError as e:
             raise DoorbellError(f"no answer from the engine's doorbell at {self.address} in {timeout_s} s") from e
+        except ConnectionResetError as e:  # a killed engine's socket: reset rather than closed, as the kernel chose
+            raise DoorbellError(
+                f"the engine reset its doorbell at {self.address} mid-update ({e}): did the engine process die?"
+            ) from e
         except OSError as e:
             raise DoorbellError(f"the engine's doorbell at {self.address} failed ({e})") from e
         if body is None:
