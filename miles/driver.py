@@ -35,16 +35,16 @@ def train(
     progress: bool = True,
     stop: threading.Event | None = None,
     on_step=None,
-    cluster: Callable[[RunConfig], Cluster | Colocated] = Cluster,
+    cluster: Callable[[RunConfig], Cluster | Colocated] | None = None,
 ) -> list[dict]:
     """Run ``cfg.num_steps`` RL steps (resuming from the last checkpoint); returns the metrics rows.
-    ``cluster(cfg)`` makes what the loop runs on: Ray actors (Cluster), or this process (Colocated)."""
+    ``cluster(cfg)`` makes what the loop runs on: Ray actors (Cluster, the default), or this process (Colocated)."""
     check_data(cfg)  # datasets readable, row by row, and no eval row in train: before Ray starts or a file changes
     run = RunDir.open(cfg.run_dir, resume=cfg.resume, overwrite=cfg.overwrite, config=cfg.to_dict())  # locked
     with run, say_what_is_saved(run):
         plan = resolve_plan(cfg)
         log.info(plan.describe())
-        with cluster(cfg) as c, Trackers.open(cfg.log, run, config=cfg.to_dict()):
+        with (cluster or Cluster)(cfg) as c, Trackers.open(cfg.log, run, config=cfg.to_dict()):
             book = Bookkeeper(cfg, run, c, on_step)
             # the stall watchdog (miles.watchdog) or a node that left the cluster ends the run here, in one line
             with book.stops_on_stall(), book.stops_on_node_loss():

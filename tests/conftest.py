@@ -6,10 +6,12 @@
 - ``notebook``: the notebooks, run top to bottom by nbval;
 - ``gpu``: needs a CUDA device (skipped without one).
 
-Within ``procs``, ``cluster`` marks the tests that start a Ray cluster of several nodes on this machine (minutes).
+Within ``procs``, ``cluster`` marks the tests that start a Ray cluster of several nodes on this machine (minutes;
+the file says ``pytestmark = [pytest.mark.procs, pytest.mark.cluster]``).
 
-Every collected item gets exactly one of them, from its file (PROCS, BROWSER) or its kind, so that for example
-``python -m pytest -m unit`` runs the fast tier and ``-m "not notebook"`` leaves the notebooks out.
+Every collected item gets exactly one of them, from its kind, its file's mark (a file that starts processes or
+servers says so: ``pytestmark = pytest.mark.procs``; ``browser`` likewise) or its fixtures (``ray_session``), so that
+for example ``python -m pytest -m unit`` runs the fast tier and ``-m "not notebook"`` leaves the notebooks out.
 """
 
 from __future__ import annotations
@@ -23,75 +25,19 @@ from miles.config import apply_overrides
 from miles.model.config import ModelConfig
 from miles.recipes import quickstart
 
-PROCS = {  # test files that start Ray, child processes, process groups or HTTP servers
-    "agents/test_agent_abort.py",
-    "agents/test_agent_guard.py",
-    "agents/test_agent_harness.py",
-    "agents/test_agent_http_engine.py",
-    "agents/test_agent_recipe.py",
-    "agents/test_agent_session.py",
-    "data/test_dataset_run.py",
-    "data/test_dataset_source.py",  # its math verifier's sympy checks start reward workers
-    "dashboard/test_dashboard_api.py",
-    "dashboard/test_dashboard_guard.py",
-    "envs/test_env_http_engine.py",
-    "envs/test_env_source.py",
-    "envs/test_python_tool.py",
-    "model/test_smollm2.py",
-    "model/test_train_a_checkpoint.py",
-    "optim/test_optim_offload_disk.py",
-    "reward/test_pool.py",
-    "reward/test_reward_run.py",
-    "reward/test_verifier_cases.py",
-    "rollout/test_router_failover.py",
-    "rollout/conformance/test_conformance_broadcast.py",
-    "rollout/conformance/test_conformance_client.py",
-    "rollout/conformance/test_conformance_control.py",
-    "rollout/conformance/test_conformance_generate.py",
-    "rollout/conformance/test_conformance_openai.py",
-    "rollout/conformance/test_conformance_weights.py",
-    "rollout/test_serve_connections.py",
-    "rollout/test_server_bucket_files.py",
-    "rollout/test_server_guard.py",
-    "rollout/test_server_http.py",
-    "rollout/test_server_requests.py",
-    "rollout/test_sglang_client_driver.py",
-    "rollout/test_sglang_client_manager.py",
-    "rollout/test_sglang_client_responses.py",
-    "rollout/test_sglang_engine.py",
-    "rollout/test_sglang_engine_loop.py",
-    "sync/test_disk_delta_multirank.py",
-    "sync/test_sync_transports.py",
-    "sync/test_weight_group.py",
-    "test_cli.py",
-    "test_cluster_nodes.py",
-    "test_cluster_start.py",
-    "test_driver.py",
-    "test_ray_errors.py",
-    "test_threads.py",
-    "test_watchdog.py",
-    "train/test_fsdp2.py",
-}
-CLUSTER = {"test_cluster_nodes.py"}  # a Ray cluster of two nodes (tests/ray_nodes.py): also marked `cluster`
-BROWSER = {
-    "dashboard/test_dashboard_browser.py",
-    "dashboard/test_dashboard_long_run.py",
-    "dashboard/test_dashboard_turns.py",
-    "dashboard/test_dashboard_workbench.py",
-}
-TESTS = os.path.dirname(os.path.abspath(__file__))
-
 
 def tier(item) -> str:
-    path = str(item.path)
-    if path.endswith(".ipynb"):
+    """A test's tier by its kind, its file's mark (``pytestmark = pytest.mark.procs`` or ``browser``) or its fixtures
+    (``ray_session`` makes a test ``procs``); unit otherwise."""
+    if str(item.path).endswith(".ipynb"):
         return "notebook"
     if "gpu" in item.keywords:
         return "gpu"
-    rel = os.path.relpath(path, TESTS).replace(os.sep, "/")
-    if rel in BROWSER:
+    if item.get_closest_marker("browser"):
         return "browser"
-    return "procs" if rel in PROCS or "ray_session" in getattr(item, "fixturenames", ()) else "unit"
+    if item.get_closest_marker("procs") or "ray_session" in getattr(item, "fixturenames", ()):
+        return "procs"
+    return "unit"
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by mark
@@ -100,8 +46,6 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         t = tier(item)
         item.add_marker(getattr(pytest.mark, t))
-        if os.path.relpath(str(item.path), TESTS).replace(os.sep, "/") in CLUSTER:
-            item.add_marker(pytest.mark.cluster)
         if t == "gpu" and skip is not None:
             item.add_marker(skip)
 

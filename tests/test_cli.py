@@ -14,6 +14,8 @@ import pytest
 
 from miles.cli import EXIT_BAD_INPUT, EXIT_FAILED, explain
 
+pytestmark = pytest.mark.procs  # it starts processes or servers (tests/conftest.py: the tiers)
+
 ROOT = Path(__file__).resolve().parents[1]
 QWEN3_8B = ROOT / "miles" / "model" / "hf_configs" / "qwen3-8b.json"
 

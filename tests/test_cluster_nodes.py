@@ -25,6 +25,8 @@ import pytest
 
 from tests.ray_nodes import REPO, RayNodes
 
+pytestmark = [pytest.mark.procs, pytest.mark.cluster]  # a Ray cluster of two nodes on this machine (tests/conftest.py)
+
 B_IP = "127.0.0.2"
 TINY = [
     "model.hidden_size=32",

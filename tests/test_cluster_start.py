@@ -9,6 +9,8 @@ import torch
 from miles.config import apply_overrides
 from miles.recipes import quickstart
 
+pytestmark = pytest.mark.procs  # it starts processes or servers (tests/conftest.py: the tiers)
+
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_device_cuda_without_a_gpu_is_refused_before_ray_starts():

@@ -17,6 +17,8 @@ from miles.rollout.tasks import RewardError
 from miles.run_dir import RunDir, RunDirError
 from tests.conftest import tiny_run_cfg
 
+pytestmark = pytest.mark.procs  # it starts processes or servers (tests/conftest.py: the tiers)
+
 
 def _metrics(cfg):
     return [json.loads(l) for l in open(f"{cfg.run_dir}/metrics.jsonl")]

@@ -3,9 +3,12 @@ when threaded); in-process everything runs inline."""
 
 import threading
 
+import pytest
 import ray
 
 from miles.threads import actor_options, init_on_compute_thread, on_compute_thread
+
+pytestmark = pytest.mark.procs  # it starts processes or servers (tests/conftest.py: the tiers)
 
 
 class Probe:

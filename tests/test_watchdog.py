@@ -28,7 +28,7 @@ from miles.driver import train
 from miles.watchdog import StallError
 from tests.conftest import tiny_run_cfg
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.procs, pytest.mark.timeout(600)]  # procs: it starts processes or servers
 
 WATCHDOG_S = 12  # long enough that no healthy phase of a tiny run on a loaded 2-core machine comes near it
 REWARD_WATCHDOG_S = 30  # the first reward phase may start reward worker processes (torch imports) under load

@@ -16,6 +16,8 @@ from miles.agents.launcher import AgentProcesses, free_port_range
 from miles.agents.rollout import AgentRollout
 from miles.config import AgentConfig, RunConfig, apply_overrides
 
+pytestmark = pytest.mark.procs  # it starts processes or servers (tests/conftest.py: the tiers)
+
 TINY = json.dumps(
     dict(
         hidden_size=32,

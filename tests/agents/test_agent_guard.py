@@ -23,7 +23,7 @@ from miles.agents.swe_tasks import make_task
 from miles.agents.tool_calls import format_tool_call, parse_tool_calls
 from miles.ports import free_ports
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.procs, pytest.mark.timeout(120)]  # procs: it starts processes or servers
 TOKEN = new_token()
 AUTH = token_headers(TOKEN)
 TINY = dict(

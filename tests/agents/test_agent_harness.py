@@ -18,6 +18,8 @@ from miles.agents.swe_tasks import make_task
 from miles.agents.tool_calls import format_tool_call
 from miles.model.tokenizer import ByteTokenizer
 
+pytestmark = pytest.mark.procs  # it starts processes or servers (tests/conftest.py: the tiers)
+
 
 class ScriptedPolicy:
     """Answers each generate call with the next scripted text (a callable step runs first, then answers)."""

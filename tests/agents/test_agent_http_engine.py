@@ -14,6 +14,8 @@ from miles.rollout.engine import EmbeddedEngine
 from miles.rollout.launch import spawn_miles_servers
 from tests.conftest import tiny_run_cfg
 
+pytestmark = pytest.mark.procs  # it starts processes or servers (tests/conftest.py: the tiers)
+
 
 @pytest.mark.timeout(80)
 def test_sessions_over_http_keep_exact_tokens_and_a_flush_aborts_the_in_flight_turn(tmp_path):

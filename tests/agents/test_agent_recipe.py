@@ -13,6 +13,8 @@ from miles.rollout.manager import RolloutManager
 from miles.sources import make_sources
 from miles.train.torch_backend import TorchBackend
 
+pytestmark = pytest.mark.procs  # it starts processes or servers (tests/conftest.py: the tiers)
+
 
 @pytest.mark.timeout(80)
 def test_agent_swe_recipe_rolls_out_flushes_both_instances_and_trains_one_step(tmp_path):

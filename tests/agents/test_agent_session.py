@@ -14,6 +14,8 @@ from miles.policy.logprob import log_probs_and_entropy
 from miles.rollout.engine import EmbeddedEngine
 from tests.conftest import tiny_model
 
+pytestmark = pytest.mark.procs  # it starts processes or servers (tests/conftest.py: the tiers)
+
 
 @pytest.fixture(scope="module")
 def server():

@@ -13,6 +13,8 @@ from test_dashboard_store import parse_payload
 from miles.dashboard.server import DashboardServer, create_app, main, parse_args
 from miles.rollout_dump import RolloutDumpWriter
 
+pytestmark = pytest.mark.procs  # it starts processes or servers (tests/conftest.py: the tiers)
+
 
 @pytest.fixture(scope="module")
 def client(long_run_dir):

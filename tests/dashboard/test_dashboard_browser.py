@@ -16,6 +16,8 @@ from miles.dashboard.store import RunDirWriter
 from miles.dashboard.synthetic import LONG_PROMPT, synthetic_step
 from miles.rollout_dump import RolloutDumpWriter
 
+pytestmark = pytest.mark.browser  # headless Chromium against the dashboard
+
 sync_api = pytest.importorskip("playwright.sync_api")
 if not Path(CHROMIUM).exists():
     pytest.skip(f"no Chromium at {CHROMIUM}", allow_module_level=True)

@@ -9,7 +9,7 @@ import pytest
 
 from miles.dashboard.server import DashboardServer
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.procs, pytest.mark.timeout(60)]  # procs: it starts processes or servers
 
 
 @pytest.fixture(scope="module")

@@ -21,6 +21,8 @@ from miles.memory.ledger import LedgerEvent, pool_peaks
 from miles.recipes import quickstart
 from miles.rollout_dump import RolloutDumpWriter
 
+pytestmark = pytest.mark.browser  # headless Chromium against the dashboard
+
 sync_api = pytest.importorskip("playwright.sync_api")
 if not Path(CHROMIUM).exists():
     pytest.skip(f"no Chromium at {CHROMIUM}", allow_module_level=True)

@@ -13,6 +13,8 @@ from miles.dashboard.server import DashboardServer
 from miles.dashboard.snapshot import CHROMIUM, CHROMIUM_ARGS
 from miles.rollout_dump import RolloutDumpWriter
 
+pytestmark = pytest.mark.browser  # headless Chromium against the dashboard
+
 sync_api = pytest.importorskip("playwright.sync_api")
 pytest.importorskip("transformers")
 if not Path(CHROMIUM).exists():

@@ -17,6 +17,8 @@ from miles.planner_view import run_overlay
 from miles.recipes import quickstart
 from miles.rollout_dump import RolloutDumpWriter
 
+pytestmark = pytest.mark.browser  # headless Chromium against the dashboard
+
 sync_api = pytest.importorskip("playwright.sync_api")
 if not Path(CHROMIUM).exists():
     pytest.skip(f"no Chromium at {CHROMIUM}", allow_module_level=True)

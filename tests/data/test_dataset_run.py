@@ -19,6 +19,8 @@ from miles.recipes import quickstart
 from miles.rollout.tasks import RewardError
 from miles.rollout_dump import ROLLOUTS, step_dir_name
 
+pytestmark = pytest.mark.procs  # it starts processes or servers (tests/conftest.py: the tiers)
+
 BROKEN = Path(tempfile.gettempdir()) / f"miles-broken-verifier-{hashlib.sha1(__file__.encode()).hexdigest()[:12]}"
 
 

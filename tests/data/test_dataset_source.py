@@ -12,6 +12,8 @@ from miles.recipes import quickstart
 from miles.rollout.manager import RolloutManager
 from miles.sources import make_sources
 
+pytestmark = pytest.mark.procs  # it starts processes or servers (tests/conftest.py: the tiers)
+
 
 def small_cfg(tmp_path, *overrides):
     base = [

@@ -16,6 +16,8 @@ from miles.rollout.engine import EmbeddedEngine
 from miles.rollout.manager import RolloutManager
 from miles.sources import make_sources
 
+pytestmark = pytest.mark.procs  # it starts processes or servers (tests/conftest.py: the tiers)
+
 
 @pytest.mark.timeout(300)
 def test_multi_turn_episodes_over_http_keep_the_exact_tokens_the_engine_sampled_from(tmp_path):

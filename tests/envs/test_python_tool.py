@@ -10,6 +10,8 @@ import pytest
 
 from miles.envs.python_tool import NETWORK_ISOLATED, Limits, PythonEnv, run_python, tool_text
 
+pytestmark = pytest.mark.procs  # it starts processes or servers (tests/conftest.py: the tiers)
+
 
 def test_code_runs_and_prints():
     r = run_python("print(17 * 23)")

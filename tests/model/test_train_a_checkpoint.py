@@ -14,6 +14,8 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
+pytestmark = pytest.mark.procs  # it starts processes or servers (tests/conftest.py: the tiers)
+
 SMALL_RUN = [
     "num_steps=2",
     "checkpoint_every=0",

@@ -12,6 +12,8 @@ from test_optim_offload import loss_at, params_of, train  # tests/optim is on sy
 from miles.optim import DiskOptimizerStateOffloader, OptimizerOffloadSpaceError, TmpfsOffloadWarning
 from miles.optim.disk_offload import filesystem_type, prepare_offload_directory
 
+pytestmark = pytest.mark.procs  # it starts processes or servers (tests/conftest.py: the tiers)
+
 
 @pytest.fixture
 def small_tmpfs(tmp_path):

@@ -15,6 +15,8 @@ import pytest
 from miles.protocols.reward import Call
 from miles.reward.pool import RewardPool
 
+pytestmark = pytest.mark.procs  # it starts processes or servers (tests/conftest.py: the tiers)
+
 HERE = Path(__file__).resolve().parent
 
 

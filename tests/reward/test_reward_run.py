@@ -9,8 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from miles.cli import EXIT_BAD_INPUT
 from miles.data.generate import generated_train
+
+pytestmark = pytest.mark.procs  # it starts processes or servers (tests/conftest.py: the tiers)
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent

@@ -18,6 +18,8 @@ from miles.reward.catalog import reward_for
 from miles.reward.pool import RewardPool
 from miles.reward.scorer import Job, RewardScorer
 
+pytestmark = pytest.mark.procs  # it starts processes or servers (tests/conftest.py: the tiers)
+
 ROOT = Path(__file__).resolve().parents[2]
 TAIL = "1 " + "a" * 40 + "!"
 CASES = {  # review id: (verifier, response, target)

@@ -14,7 +14,7 @@ from miles.rollout.router import NoEngineAlive, Router
 from miles.rollout.sglang_client import SGLangClient
 from tests.conftest import tiny_run_cfg
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.procs, pytest.mark.timeout(180)]  # procs: it starts processes or servers
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from miles.http_connections import guarded_protocol
 from miles.rollout.launch import ServerProcess, miles_serve_argv
 from tests.conftest import tiny_run_cfg
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.procs, pytest.mark.timeout(180)]  # procs: it starts processes or servers
 HEAD_TIMEOUT_S, MAX_PER_CLIENT, KEY = 1.0, 24, "file-key-7f3a"
 
 

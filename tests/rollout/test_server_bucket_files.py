@@ -14,7 +14,7 @@ import torch
 from miles.rollout.sglang_api import FLATTENED_BUCKET, encode_payload
 from miles.sync.flat_bucket import BucketHandle, StagingBuffers, TensorMeta
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.procs, pytest.mark.timeout(120)]  # procs: it starts processes or servers
 
 NORM = TensorMeta("model.norm.weight", "float32", (32,), 0, 128)  # the tiny model's final norm: float32[32]
 

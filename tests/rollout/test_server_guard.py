@@ -13,7 +13,7 @@ from miles.http_guard import allowed_hosts, exposure_warning, host_of
 from miles.protocols.engine import EngineError, GenerateRequest, SamplingParams
 from miles.rollout.sglang_client import SGLangClient
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.procs, pytest.mark.timeout(120)]  # procs: it starts processes or servers
 
 BUMP = b'{"new_version": "4242"}'
 

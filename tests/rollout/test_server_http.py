@@ -18,7 +18,7 @@ from miles.rollout.sglang_client import SGLangClient
 from miles.sync.flat_bucket import StagingBuffers
 from tests.conftest import tiny_run_cfg
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.procs, pytest.mark.timeout(120)]  # procs: it starts processes or servers
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ import torch
 from miles.rollout.launch import free_port
 from miles.sync.disk_delta.transport import DiskDeltaConfig, DiskDeltaSync, save_baseline
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.procs, pytest.mark.timeout(120)]  # procs: it starts processes or servers
 
 GOOD = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4}}
 POISONS = {  # raw JSON: NaN and huge integers as a client can send them

@@ -11,6 +11,8 @@ from miles.driver import train
 from miles.rollout.launch import launch_sglang, sglang_available
 from tests.conftest import tiny_run_cfg
 
+pytestmark = pytest.mark.procs  # it starts processes or servers (tests/conftest.py: the tiers)
+
 
 @pytest.mark.timeout(240)
 def test_the_rl_loop_runs_over_http_engines_behind_a_router_with_check_weights(tmp_path, ray_session):

@@ -12,7 +12,7 @@ from miles.sources import make_sources
 from miles.sync.tensor import TensorSync
 from tests.conftest import tiny_run_cfg
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.procs, pytest.mark.timeout(180)]  # procs: it starts processes or servers
 
 
 def test_http_rollout_matches_the_embedded_reference(tmp_path):

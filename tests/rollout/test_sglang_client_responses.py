@@ -15,7 +15,7 @@ import pytest
 from miles.protocols.engine import GenerateRequest, SamplingParams
 from miles.rollout.sglang_client import EngineResponseError, EngineUnavailable, SGLangClient
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.procs, pytest.mark.timeout(60)]  # procs: it starts processes or servers
 
 
 class RawServer:

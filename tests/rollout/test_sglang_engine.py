@@ -22,7 +22,7 @@ from miles.rollout.manager import sglang_engines
 from miles.sources import make_sources
 from tests.conftest import tiny_run_cfg
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.procs, pytest.mark.timeout(120)]  # procs: it starts processes or servers
 SG = ("rollout.engine=sglang", "model.checkpoint=/ckpt/qwen3-8b")
 
 

@@ -17,6 +17,8 @@ from miles.recipes import quickstart
 from miles.rollout.launch import free_port
 from tests.conftest import tiny_run_cfg
 
+pytestmark = pytest.mark.procs  # it starts processes or servers (tests/conftest.py: the tiers)
+
 STANDIN = ("rollout.engine=sglang", "rollout.sglang_launcher=miles-serve")
 
 

@@ -16,6 +16,8 @@ import pytest
 import safetensors.torch
 import torch
 
+pytestmark = pytest.mark.procs  # it starts processes or servers (tests/conftest.py: the tiers)
+
 WORLD = 2
 TIMEOUT_S = 40
 

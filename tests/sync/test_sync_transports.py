@@ -12,6 +12,8 @@ from miles.sync.buckets import fused_group, plan_buckets
 from miles.sync.check import check_weights, weights_differ
 from tests.conftest import in_place_versions, tiny_model, tiny_run_cfg
 
+pytestmark = pytest.mark.procs  # it starts processes or servers (tests/conftest.py: the tiers)
+
 BUCKET = 4096  # bytes: smaller than most tensors of the tiny model, so rdt goes in many rounds
 TRANSPORTS = ["tensor", "tensor:in_place", "tensor:in_place:doorbell", "broadcast", "rdt", "rdt:in_place"]
 # transport[:sync.source[:doorbell]] (the doorbell is CUDA's default; forced on here)

@@ -15,7 +15,7 @@ from miles.ports import free_port
 from miles.sync.buckets import WeightSpec
 from miles.sync.weight_group import FORMATS, layout, make_group
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.procs, pytest.mark.timeout(120)]  # procs: it starts processes or servers
 
 
 def test_a_join_whose_rank_0_never_forms_its_group_fails_within_the_connect_timeout():

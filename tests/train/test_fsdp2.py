@@ -10,6 +10,8 @@ from miles.config import TrainerConfig
 from tests.conftest import tiny_model
 from tests.train.test_torch_backend import _batch
 
+pytestmark = pytest.mark.procs  # it starts processes or servers (tests/conftest.py: the tiers)
+
 CFG = tiny_model(max_position_embeddings=512)
 
 

@@ -29,7 +29,7 @@ import torch
 
 from miles.ports import free_port
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.procs, pytest.mark.timeout(180)]  # procs: it starts processes or servers
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 SLIME_TRAINER = textwrap.dedent(

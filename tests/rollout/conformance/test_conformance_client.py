@@ -22,7 +22,7 @@ from miles.rollout.sglang_client import SGLangClient
 from miles.rollout.sglang_responses import parse_output
 from tests.rollout.conformance.conftest import A
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.procs, pytest.mark.timeout(120)]  # procs: it starts processes or servers
 
 SGLANG_SAMPLING_KEYS = set(  # sglang 0.5.10.post1 SamplingParams.__init__
     "max_new_tokens stop stop_token_ids stop_regex temperature top_p top_k min_p frequency_penalty presence_penalty "

@@ -21,7 +21,7 @@ import pytest
 
 from tests.rollout.conformance.conftest import A
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.procs, pytest.mark.timeout(120)]  # procs: it starts processes or servers
 
 
 def post(server, path, body=None, **kw):

@@ -23,7 +23,7 @@ import pytest
 
 from tests.rollout.conformance.conftest import EOS, A
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.procs, pytest.mark.timeout(120)]  # procs: it starts processes or servers
 
 SLIME_SAMPLING = {  # slime's GenerateState.sampling_params with its defaults (stop_token_ids None: EOS stops)
     "temperature": 1.0,

@@ -19,7 +19,7 @@ import pytest
 from tests.rollout.conformance.conftest import A
 
 openai = pytest.importorskip("openai", reason="the OpenAI client tests need it: pip install 'miles[dev]'")
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.procs, pytest.mark.timeout(120)]  # procs: it starts processes or servers
 
 
 def client(server):

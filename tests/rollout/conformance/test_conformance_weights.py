@@ -23,7 +23,7 @@ import httpx
 import pytest
 import torch
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.procs, pytest.mark.timeout(120)]  # procs: it starts processes or servers
 
 SENDER = textwrap.dedent(
     """
