@@ -59,8 +59,13 @@ class Colocated(PlanExecutor):
         self.samples: list = []  # process samples (RSS) the ledger took
         self._reported = (0, 0)  # events and samples handed to the driver so far (drain_ledgers)
         self.watchdog = Unwatched()  # one process: nothing to watch from outside it
+        self.placement = None  # one process on one node: no placement rows (miles.cluster_nodes)
         self.sync_metrics: dict = {}
         self._drain()
+
+    def lost_node(self, e: BaseException) -> None:
+        """One process: no node of the run can leave while it runs (Cluster.lost_node's counterpart)."""
+        return None
 
     def __enter__(self) -> "Colocated":
         return self

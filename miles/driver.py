@@ -52,7 +52,8 @@ def train(
                 # the trainer exists from the plan's trainer.build step on; a resumed run is warm already
                 warm_up = lambda: book.saved_step is None and warmup(cfg, c, book)  # noqa: E731
                 book.ledger(-1, c.execute(plan.init, version=start, phase="init", built=book.resume, warm_up=warm_up))
-                run.append_placement(start, c.placement.rows())  # where each actor runs (miles.cluster_nodes)
+                if c.placement is not None:  # where each actor runs (miles.cluster_nodes); none in one process
+                    run.append_placement(start, c.placement.rows())
                 with StopOnCtrlC(stop) as stop:  # the first Ctrl-C ends the loop at a step boundary, saved
                     for step in book.progress(range(start, cfg.num_steps), progress):
                         if stop.is_set():
