@@ -58,7 +58,16 @@ CASES = {  # name: (extra top-level fields, extra sampling params); bodies a pre
 }
 
 
-async def _fire(url: str, bodies: list[dict]) -> dict:
+def _cpu_s(pid: int) -> float:
+    """The server process's CPU seconds so far (user + system, all its threads): what a call costs it, which a
+    loaded machine changes far less than the wall time."""
+    import psutil
+
+    t = psutil.Process(pid).cpu_times()
+    return t.user + t.system
+
+
+async def _fire(url: str, bodies: list[dict], pid: int) -> dict:
     import httpx
 
     limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
@@ -78,22 +87,37 @@ async def _fire(url: str, bodies: list[dict]) -> dict:
             r.raise_for_status()
             return r.json()
 
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), _cpu_s(pid)
         outs = await asyncio.gather(*(one(b) for b in bodies))
-        wall = time.perf_counter() - t0
+        wall, cpu = time.perf_counter() - t0, _cpu_s(pid) - cpu0
     tokens = sum(len(o["output_ids"]) for o in outs)
-    return {"requests_per_s": len(outs) / wall, "tokens_per_s": tokens / wall, "wall_s": wall}
+    return {
+        "requests_per_s": len(outs) / wall,
+        "tokens_per_s": tokens / wall,
+        "wall_s": wall,
+        "server_cpu_ms_per_request": 1000 * cpu / len(outs),
+    }
 
 
-def _start(pythonpath: str, config_path: str) -> tuple[subprocess.Popen, str]:
-    env = {**os.environ, "PYTHONPATH": pythonpath, "OMP_NUM_THREADS": "1"}
-    argv = [sys.executable, "-m", "miles.cli.serve", "--config", config_path, "--port", "0"]
-    argv += ["--parent-pid", str(os.getpid())]
-    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=pythonpath)
+def _serve_module(tree: str) -> str:
+    """The ``miles serve`` entry point of a tree: miles.cli.serve, or miles.rollout.serve_cli before the move."""
+    return (
+        "miles.cli.serve"
+        if os.path.exists(os.path.join(tree, "miles", "cli", "serve.py"))
+        else "miles.rollout.serve_cli"
+    )
+
+
+def _start(tree: str, recipe: str, overrides: list[str]) -> tuple[subprocess.Popen, str]:
+    """``miles serve`` from ``tree`` (its own code: PYTHONPATH and cwd), the same recipe and overrides for both."""
+    env = {**os.environ, "PYTHONPATH": tree, "OMP_NUM_THREADS": "1"}
+    argv = [sys.executable, "-m", _serve_module(tree), "--recipe", recipe, "--port", "0"]
+    argv += [f"--set={o}" for o in overrides] + ["--parent-pid", str(os.getpid())]
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=tree)
     for line in proc.stdout:
         if "listening on " in line:
             return proc, line.split("listening on ")[1].strip()
-    raise RuntimeError(f"the server from {pythonpath} exited before listening")
+    raise RuntimeError(f"the server from {tree} exited before listening ({' '.join(argv)})")
 
 
 def run(argv: list[str]) -> dict:
@@ -104,20 +128,19 @@ def run(argv: list[str]) -> dict:
 
     logging.getLogger("httpx").setLevel(logging.WARNING)
     a = _parser().parse_args(argv)
-    cfg = apply_overrides(get_recipe(a.recipe), [*a.set, "num_threads=1"])
+    overrides = [*a.set, "num_threads=1", "device=cpu"]
+    cfg = apply_overrides(get_recipe(a.recipe), overrides)
     tmp = tempfile.mkdtemp(prefix="miles-fields-")
     base_dir = os.path.join(tmp, "base")
     subprocess.run(
         ["git", "-C", ROOT, "worktree", "add", "--detach", base_dir, a.base], check=True, capture_output=True
     )
-    config_path = os.path.join(tmp, "config.json")
-    with open(config_path, "w") as f:
-        json.dump(cfg.to_dict() | {"device": "cpu"}, f)
     procs = []
     try:
-        before, url_before = _start(base_dir, config_path)
-        after, url_after = _start(ROOT, config_path)
-        procs = [before, after]
+        before, url_before = _start(base_dir, a.recipe, overrides)
+        procs.append(before)
+        after, url_after = _start(ROOT, a.recipe, overrides)
+        procs.append(after)
         n = a.num_requests
         plain = [_body(i, a) for i in range(n)]
         for url in (url_before, url_after):  # warm both

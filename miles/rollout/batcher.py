@@ -3,11 +3,14 @@
 concurrent single-prompt requests cost a handful of forward passes instead of 200.
 
 One batch runs at a time (the engine owns one KV cache); requests that arrive meanwhile form the next batch.
+Each call is answered as soon as its own requests finish (the engine reports each request as it ends), as
+SGLang answers each request, not when the batch's longest one ends; an aborted request is answered at once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from dataclasses import dataclass, field
 
@@ -16,7 +19,7 @@ from miles.protocols.engine import EngineError, GenerateOutput, GenerateRequest
 log = logging.getLogger(__name__)
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)  # compared by identity (in_flight.remove)
 class _Job:
     requests: list[GenerateRequest]
     seed: int | None
@@ -106,18 +109,21 @@ class GenerateBatcher:
                     self._wakeup.clear()
                 if not jobs:
                     continue
-                self.in_flight = jobs
+                self.in_flight = list(jobs)  # a job leaves it when answered
+                answer = functools.partial(asyncio.get_running_loop().call_soon_threadsafe, self._answer)
                 try:
-                    results = await asyncio.to_thread(self._run, jobs)
+                    results = await asyncio.to_thread(self._run, jobs, answer)
                 finally:
                     self.in_flight = []
             for job, res in zip(jobs, results):
-                if job.future.done():
-                    continue
-                if isinstance(res, BaseException):
-                    job.future.set_exception(res)
-                else:
-                    job.future.set_result(res)
+                _settle(job, res)
+
+    def _answer(self, job: _Job, res) -> None:
+        """A job whose requests are all done while its batch runs: answered now, no longer in flight (its rids may
+        be sent again, an abort no longer reaches them)."""
+        if job in self.in_flight:
+            self.in_flight.remove(job)
+        _settle(job, res)
 
     def _take(self) -> list[_Job]:
         """A seeded job runs alone (its seed then means what it means in-process); unseeded jobs share a batch."""
@@ -136,29 +142,56 @@ class GenerateBatcher:
             n += len(job.requests)
         return jobs
 
-    def _run(self, jobs: list[_Job]) -> list:
-        """Worker thread: one engine.generate for all jobs; when that fails, each job alone (errors stay with their job)."""
+    def _run(self, jobs: list[_Job], answer) -> list:
+        """Worker thread: one engine.generate for all jobs, ``answer(job, outputs)`` as each job's requests are
+        done; when that call fails, each job alone (errors stay with their job)."""
         try:
-            return self._generate(jobs)
+            return self._generate(jobs, answer)
         except EngineError as e:
-            return [e] if len(jobs) == 1 else [self._one(j) for j in jobs]
+            return [e] if len(jobs) == 1 else [self._one(j, answer) for j in jobs]
         except Exception as e:  # noqa: BLE001 - a crash must reach every waiting request, not kill the loop
             log.exception("generate failed")
             return [e] * len(jobs)
 
-    def _one(self, job: _Job):
+    def _one(self, job: _Job, answer):
         try:
-            return self._generate([job])[0]
+            return self._generate([job], answer)[0]
         except Exception as e:  # noqa: BLE001
             return e
 
-    def _generate(self, jobs: list[_Job]) -> list[list[GenerateOutput]]:
-        live = [r for j in jobs for r in j.requests if r.rid not in j.aborted]
-        outs = {o.rid: o for o in self.engine.generate(live, seed=jobs[0].seed)} if live else {}
+    def _generate(self, jobs: list[_Job], answer) -> list[list[GenerateOutput]]:
+        live = [(j, r) for j in jobs for r in j.requests if r.rid not in j.aborted]
+        outs: dict[str, GenerateOutput] = {}
+        left = dict.fromkeys(map(id, jobs), 0)  # requests still running per job
+        for j, _ in live:
+            left[id(j)] += 1
+
+        def results(job: _Job) -> list[GenerateOutput]:
+            wv = self.engine.weight_version
+            return [outs.get(r.rid) or _aborted(r, wv) for r in job.requests]
+
+        def on_output(i: int, out: GenerateOutput) -> None:  # the engine's thread, as request i finishes
+            job = live[i][0]
+            outs[out.rid] = out
+            left[id(job)] -= 1
+            if not left[id(job)]:
+                answer(job, results(job))
+
+        if live:
+            self.engine.generate([r for _, r in live], seed=jobs[0].seed, on_output=on_output)
         self.stats["batches"] += 1
         self.stats["requests"] += len(live)
-        wv = self.engine.weight_version
-        return [[outs.get(r.rid) or _aborted(r, wv) for r in j.requests] for j in jobs]
+        return [results(j) for j in jobs]
+
+
+def _settle(job: _Job, res) -> None:
+    """A job's answer: its outputs or its error; the first one given stands."""
+    if job.future.done():
+        return
+    if isinstance(res, BaseException):
+        job.future.set_exception(res)
+    else:
+        job.future.set_result(res)
 
 
 def _aborted(r: GenerateRequest, weight_version: int) -> GenerateOutput:

@@ -27,12 +27,14 @@ prefilled again with their tokens so far, under whatever weights the engine hold
 
     loop = DecodeLoop(engine)                       # owned by the EmbeddedEngine
     outs = loop.generate(requests, seed)            # one GenerateOutput per request, in order
+    loop.generate(requests, seed, on_output=fn)     # fn(i, output) as each request finishes, before the return
 """
 
 from __future__ import annotations
 
 import threading
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -111,16 +113,20 @@ def suppress_stops(st: RowState, rows: torch.Tensor | slice, logits_RV: torch.Te
 
 @dataclass(slots=True)
 class _Call:
-    """One generate call's results; the caller waits on ``done`` (set when every request has an output)."""
+    """One generate call's results; the caller waits on ``done`` (set when every request has an output).
+    ``on_output(i, output)``, when given, hears of each request as it finishes (from the loop's thread)."""
 
     results: list
     left: int
+    on_output: Callable[[int, object], None] | None = None
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
 
     def put(self, i: int, out) -> None:
         self.results[i] = out
         self.left -= 1
+        if self.on_output is not None:
+            self.on_output(i, out)
         if not self.left:
             self.done.set()
 
@@ -190,8 +196,8 @@ class DecodeLoop:
         return not self._busy or self.parked
 
     # ---- the loop ---------------------------------------------------------------------------------------------
-    def generate(self, requests: list, seed: int) -> list:
-        call = _Call([None] * len(requests), len(requests))
+    def generate(self, requests: list, seed: int, on_output: Callable[[int, object], None] | None = None) -> list:
+        call = _Call([None] * len(requests), len(requests), on_output)
         if not requests:
             return []
         items = [(call, i, r, None) for i, r in enumerate(requests)]

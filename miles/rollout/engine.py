@@ -10,7 +10,7 @@ CUDA the decode step runs as CUDA graphs (miles.rollout.cuda_graphs). Memory tag
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -118,12 +118,20 @@ class EmbeddedEngine(UpdateCalls):
             true_on_policy=cfg.true_on_policy,
         )
 
-    def generate(self, requests: list[GenerateRequest], *, seed: int | None = None) -> list[GenerateOutput]:
+    def generate(
+        self,
+        requests: list[GenerateRequest],
+        *,
+        seed: int | None = None,
+        on_output: Callable[[int, GenerateOutput], None] | None = None,
+    ) -> list[GenerateOutput]:
         """Outputs in request order. A call made while another runs joins it (continuous batching across
-        calls); it then shares the running call's random stream, so ``seed`` reproduces only a call that runs alone."""
+        calls); it then shares the running call's random stream, so ``seed`` reproduces only a call that runs alone.
+        ``on_output(i, output)`` is called from the engine's thread as each request finishes (a server answers
+        each of its callers then, as SGLang does, not when the batch's longest request ends)."""
         for r in requests:
             self._check_request(r)
-        return self.loop.generate(requests, seed if seed is not None else torch.seed() & 0x7FFFFFFF)
+        return self.loop.generate(requests, seed if seed is not None else torch.seed() & 0x7FFFFFFF, on_output)
 
     def _start(self, seed: int) -> None:
         """A new decode loop starts: its random stream (the reference sampler's generator, the kernel's seed)."""

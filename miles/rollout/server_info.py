@@ -32,14 +32,20 @@ DELIBERATE_DIFFERENCES = (
     "equals an in-process engine.generate(requests, seed=...)",
     "output_top_logprobs and input log-probs come from one extra scoring forward over the finished sequence; a "
     "stream carries them in its last chunk only",
-    "concurrent calls are batched (--batch-wait-ms) on one KV cache; an in-place pause holds rows between decode "
-    "steps, a retract pause returns them to the queue (prefilled again on continue)",
+    "concurrent calls are batched (--batch-wait-ms) on one KV cache and each is answered when its own requests "
+    "finish, but a call that arrives while a batch runs waits for it and joins the next batch (SGLang admits it at "
+    "its next step): one engine call per batch keeps its prefill batched; an in-place pause holds rows between "
+    "decode steps, a retract pause returns them to the queue (prefilled again on continue)",
     "weight payloads: SGLang's MultiprocessingSerializer pickles are read by a restricted unpickler that admits "
-    "only tensors rebuilt from same-host shared memory or CUDA IPC (miles.rollout.sglang_payloads); miles' own "
-    "torch.save payloads and flat-bucket handles are also taken",
-    "/update_weights_from_disk takes a HF checkpoint directory or a miles disk-delta directory",
-    "/init_weights_update_group joins are bounded by --group-connect-timeout-s and one may be pending (409)",
-    "4xx bodies carry success/message beside SGLang's error.message",
+    "only tensors rebuilt from same-host shared memory or CUDA IPC (miles.rollout.sglang_payloads), since a pickle "
+    "can run any code; miles' own torch.save payloads and flat-bucket handles are also taken",
+    "/update_weights_from_disk takes a HF checkpoint directory or a miles disk-delta directory (what miles' "
+    "disk-delta sync writes)",
+    "/init_weights_update_group joins are answered within --group-connect-timeout-s and one may be pending (409), "
+    "so a trainer that never forms its group costs seconds, not the 300 s collective timeout",
+    "4xx bodies carry success/message beside SGLang's error.message (miles' own clients read message)",
+    "the OpenAI routes run no tool-call or reasoning parser: message.content is the generated text, tool_calls "
+    "and reasoning_content are null (the tools still reach the chat template)",
 )
 
 

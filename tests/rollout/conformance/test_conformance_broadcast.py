@@ -15,6 +15,7 @@ The SGLang side is tests/rollout/conformance/sglang_peer.py (that source, re-wri
 from __future__ import annotations
 
 import base64
+import datetime
 import io
 import json
 import os
@@ -88,6 +89,30 @@ def test_slimes_trainer_forms_the_group_with_miles_serve_and_its_broadcasts_land
     for n, (shape, dtype) in spec["weights"].items():
         assert torch.equal(got[n], torch.randn(shape).to(getattr(torch, dtype))), n
     assert httpx.get(s.url + "/model_info").json()["weight_version"] == "3"
+
+
+def test_a_join_whose_rank_0_never_forms_its_group_is_answered_within_group_connect_timeout_s(conf_cfg):
+    """The review's run: slime's rank 0 reached the rendezvous, the group never formed, and the engine's
+    /init_weights_update_group stayed pending 40 s under --group-connect-timeout-s 8 (gloo's connect waited out
+    the 300 s collective timeout). Here rank 0 hosts the store and never creates its group."""
+    import torch.distributed as dist
+
+    from miles.rollout.server import EngineServer, build_engine
+    from tests.rollout.conftest import ThreadedServer
+
+    port = free_port()
+    store = dist.TCPStore(  # noqa: F841 - rank 0's store, kept open for the whole join
+        "127.0.0.1", port, 2, is_master=True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False
+    )
+    with ThreadedServer(EngineServer(build_engine(conf_cfg, "cpu"), group_connect_timeout_s=3)) as s:
+        join = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
+                "group_name": "slime-pp_0", "backend": "gloo"}  # fmt: skip
+        t0 = time.monotonic()
+        r = httpx.post(s.url + "/init_weights_update_group", json=join, timeout=120)
+        took = time.monotonic() - t0
+        assert r.status_code == 400 and f"127.0.0.1:{port} within 3 s" in r.json()["message"], r.text
+        assert took < 12, f"answered after {took:.1f} s for a 3 s bound"  # margin for a loaded machine
+        assert "pending_group_join" not in httpx.get(s.url + "/health").json()  # the next join is taken
 
 
 @pytest.fixture

@@ -142,6 +142,7 @@ def test_abort_all_and_abort_by_rid_end_queued_requests_with_abort(servers):
         r = post(s, "/abort_request", {"rid": "q-first"})
         assert r.status_code == 200 and r.content == b""  # SGLang: Response(status_code=200)
         t1.join(20)
+        assert not t1.is_alive() and t2.is_alive()  # answered at once, its batchmate still held by the pause
         assert post(s, "/abort_request", {"abort_all": True}).status_code == 200
         t2.join(20)
     finally:

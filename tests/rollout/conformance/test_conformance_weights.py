@@ -106,6 +106,8 @@ def test_a_multiprocessing_serializer_payload_updates_the_named_weights(servers,
     for n, t in _expected(spec).items():
         assert torch.equal(got[n], t), n
     assert httpx.get(s.url + "/model_info").json()["weight_version"] == "7"
+    d = httpx.post(s.url + "/generate", json={"input_ids": [1], "sampling_params": {"max_new_tokens": 1}}).json()
+    assert d["meta_info"]["weight_version"] == "7"  # the string sent, not an integer
 
 
 def test_a_file_descriptor_payload_is_refused_with_the_fix_and_nothing_changes(servers):
