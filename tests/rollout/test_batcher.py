@@ -10,7 +10,7 @@ import pytest
 
 from miles.protocols.engine import GenerateRequest, SamplingParams
 from miles.rollout.batcher import GenerateBatcher
-from miles.rollout.server import build_engine
+from miles.rollout.engine import EmbeddedEngine
 from tests.conftest import tiny_run_cfg
 
 pytestmark = pytest.mark.timeout(120)
@@ -38,7 +38,7 @@ def request(rid: str, n: int, watch=None) -> GenerateRequest:
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    return build_engine(tiny_run_cfg(tmp_path_factory.mktemp("batcher"), "rollout.max_seq_len=48"), "cpu")
+    return EmbeddedEngine.from_config(tiny_run_cfg(tmp_path_factory.mktemp("batcher"), "rollout.max_seq_len=48"), "cpu")
 
 
 def test_a_short_call_batched_with_a_long_one_is_answered_while_the_long_one_still_runs(engine):

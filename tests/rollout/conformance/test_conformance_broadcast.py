@@ -97,14 +97,15 @@ def test_a_join_whose_rank_0_never_forms_its_group_is_answered_within_group_conn
     the 300 s collective timeout). Here rank 0 hosts the store and never creates its group."""
     import torch.distributed as dist
 
-    from miles.rollout.server import EngineServer, build_engine
+    from miles.rollout.engine import EmbeddedEngine
+    from miles.rollout.server import EngineServer
     from tests.rollout.conftest import ThreadedServer
 
     port = free_port()
     store = dist.TCPStore(  # noqa: F841 - rank 0's store, kept open for the whole join
         "127.0.0.1", port, 2, is_master=True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False
     )
-    with ThreadedServer(EngineServer(build_engine(conf_cfg, "cpu"), group_connect_timeout_s=3)) as s:
+    with ThreadedServer(EngineServer(EmbeddedEngine.from_config(conf_cfg, "cpu"), group_connect_timeout_s=3)) as s:
         join = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
                 "group_name": "slime-pp_0", "backend": "gloo"}  # fmt: skip
         t0 = time.monotonic()
