@@ -10,10 +10,13 @@ ASGI middleware in front of the whole app, refuses:
 - a request body that is not declared ``application/json`` (415; SGLang's clients always declare it),
 - with an API key set (``--api-key-file``, ``MILES_API_KEY`` or SGLang's ``--api-key``): a request without
   ``Authorization: Bearer <key>`` (401; the scheme in any case, RFC 7235), except the liveness probe ``/health``,
-- a GET (or HEAD) of an endpoint that changes state (``state_changing_gets``; SGLang accepts GET there too) with
-  no API key set and no sign that it came from the same origin (405): an ``<img>`` on any page, in a browser too old
-  to send ``Sec-Fetch-Site``, sends exactly such a GET. Same-origin signs: ``Sec-Fetch-Site: same-origin`` or
-  ``none`` (typed by the user), or an ``Origin`` equal to the Host. A program sends POST (or the key),
+- a GET (or HEAD) of an endpoint that changes state (``state_changing_gets``; SGLang accepts GET there too) from
+  a browser, with no API key set and no sign that it came from the same origin (405): an ``<img>`` on any page, in a
+  browser too old to send ``Sec-Fetch-Site``, sends exactly such a GET. Same-origin signs: ``Sec-Fetch-Site:
+  same-origin`` or ``none`` (typed by the user), or an ``Origin`` equal to the Host. A program's GET passes (slime
+  polls ``GET /flush_cache`` with requests): it carries no ``Sec-Fetch-*`` or ``Origin`` header and a User-Agent no
+  browser sends (every browser's starts with ``Mozilla/`` or ``Opera/``; a page cannot change it cross-origin
+  without a CORS preflight, which this server never grants),
 - with a body limit set (``max_body_bytes``): a body larger than it (413), by its Content-Length before any byte
   is read, or, sent chunked, as soon as the bytes read pass the limit (a client cannot fill the server's memory).
 
@@ -30,6 +33,7 @@ API_KEY_ENV = "MILES_API_KEY"
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 WILDCARD_BINDS = ("0.0.0.0", "::", "")
 BODY_METHODS = (b"POST", b"PUT", b"PATCH")
+BROWSER_AGENTS = ("Mozilla/", "Opera/")  # how every browser's User-Agent starts
 
 
 def api_key_from(cli_value: str | None) -> str:
@@ -147,7 +151,7 @@ class HttpGuard:
                     [(b"www-authenticate", b"Bearer")],
                 )
         if scope["method"] in ("GET", "HEAD") and scope["path"] in self.state_changing_gets and not self.api_key:
-            if not _same_origin(headers):
+            if not _same_origin(headers) and not _from_a_program(headers):
                 return (
                     405,
                     f"GET {scope['path']} changes this server's state and the request shows no sign of coming from "
@@ -183,6 +187,13 @@ def _same_origin(headers: dict[str, str]) -> bool:
         return True
     origin = headers.get("origin", "")
     return "://" in origin and origin.split("://", 1)[1].rstrip("/").lower() == headers.get("host", "").lower()
+
+
+def _from_a_program(headers: dict[str, str]) -> bool:
+    """No browser sent it: no ``Sec-Fetch-*`` or ``Origin`` header and a User-Agent that is no browser's."""
+    if "origin" in headers or any(k.startswith("sec-fetch-") for k in headers):
+        return False
+    return not headers.get("user-agent", "").lstrip().startswith(BROWSER_AGENTS)
 
 
 class _BodyTooLarge(Exception):

@@ -19,8 +19,8 @@ Who may call it (miles.http_guard): the Host header must name loopback or the bo
 as ``application/json`` (415 otherwise), browsers' cross-site requests are refused, and with ``--api-key`` /
 ``$MILES_API_KEY`` every endpoint but /health needs ``Authorization: Bearer KEY``. Binding beyond loopback
 without a key prints a warning. /flush_cache, /release_memory_occupation and /resume_memory_occupation take GET
-as SGLang's do, but without a key a GET needs same-origin evidence (405 otherwise; programs send POST). A
-request head must arrive within ``--head-timeout-s`` and one client address may hold
+as SGLang's do, but without a key a browser's GET needs same-origin evidence (405 otherwise; a program's GET, as
+slime sends, passes). A request head must arrive within ``--head-timeout-s`` and one client address may hold
 ``--max-connections-per-client`` connections (miles.http_connections).
 
 Where miles keeps a deliberate difference from SGLang, miles.rollout.server_info.DELIBERATE_DIFFERENCES says which
@@ -48,7 +48,7 @@ from miles.sync.disk_delta.baseline import MissingTensorError
 
 log = logging.getLogger("miles.serve")
 
-# endpoints that change the engine's state and that SGLang also serves on GET: GET needs same-origin evidence here
+# endpoints that change the engine's state and that SGLang also serves on GET: a browser's GET needs same-origin evidence
 STATE_CHANGING_GETS = ("/flush_cache", "/release_memory_occupation", "/resume_memory_occupation")
 
 

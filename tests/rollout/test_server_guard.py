@@ -16,6 +16,7 @@ from miles.rollout.sglang_client import SGLangClient
 pytestmark = [pytest.mark.procs, pytest.mark.timeout(120)]  # procs: it starts processes or servers
 
 BUMP = b'{"new_version": "4242"}'
+BROWSER_UA = "Mozilla/5.0 (X11; Linux x86_64; rv:78.0) Gecko/20100101 Firefox/78.0"
 
 
 def _version(url: str) -> str:
@@ -128,13 +129,15 @@ def test_a_negative_body_limit_is_refused_naming_the_flag(capsys):
 
 
 def test_a_state_changing_get_needs_same_origin_evidence_or_the_key_and_post_always_works(serve):
-    """Review 2026-12-04 S14: an <img> GET (no Origin, no Sec-Fetch-*) released the engine's weights."""
+    """Review 2026-12-04 S14: an <img> GET (no Origin, no Sec-Fetch-*) released the engine's weights. A program's
+    GET (slime polls GET /flush_cache with requests, no headers of a browser) still passes, as on SGLang."""
     s = serve()
+    img = {"User-Agent": BROWSER_UA, "Accept": "image/avif,image/webp,*/*"}  # an old browser's <img>: no Sec-Fetch-*
     for path in ("/release_memory_occupation", "/resume_memory_occupation", "/flush_cache"):
         for method in ("GET", "HEAD"):
-            r = httpx.request(method, s.url + path)
+            r = httpx.request(method, s.url + path, headers=img)
             assert r.status_code == 405 and r.headers["allow"] == "POST", (method, path, r.status_code)
-    assert "send it as POST" in httpx.get(s.url + "/flush_cache").json()["message"]
+    assert "send it as POST" in httpx.get(s.url + "/flush_cache", headers=img).json()["message"]
     assert httpx.get(s.url + "/miles/memory").json()["tags"]["weights"]["paused"] is False
     port = s.url.rsplit(":", 1)[1]
     same_origin = [{"Sec-Fetch-Site": "same-origin"}, {"Sec-Fetch-Site": "none"}, {"Origin": s.url}]
@@ -143,6 +146,8 @@ def test_a_state_changing_get_needs_same_origin_evidence_or_the_key_and_post_alw
     other_port = {"Origin": f"http://127.0.0.1:{int(port) + 1}", "Sec-Fetch-Site": "same-site"}
     assert httpx.get(s.url + "/flush_cache", headers=other_port).status_code == 405
     assert httpx.post(s.url + "/flush_cache").status_code == 200
+    for program in ({"User-Agent": "python-requests/2.32.3"}, {"User-Agent": "curl/8.5.0"}, {}):
+        assert httpx.get(s.url + "/flush_cache", headers=program).status_code == 200, program
     assert httpx.get(s.url + "/get_weight_version").status_code == 200  # reads stay GET
     keyed = serve(api_key="k1")  # a GET that carries the key is a program's
     assert httpx.get(keyed.url + "/flush_cache", headers={"Authorization": "Bearer k1"}).status_code == 200

@@ -22,6 +22,8 @@ import pytest
 from tests.rollout.conformance.conftest import A
 
 pytestmark = [pytest.mark.procs, pytest.mark.timeout(120)]  # procs: it starts processes or servers
+SLIME_HEALTH_HEADERS = {"Content-Type": "application/json; charset=utf-8", "Authorization": "Bearer None"}
+REQUESTS_UA = "python-requests/2.32.3"  # what slime's requests.get sends
 
 
 def post(server, path, body=None, **kw):
@@ -55,15 +57,17 @@ def long_request(server, rid):
 
 def test_health_generate_with_slimes_headers_and_health_answer_200(servers):
     s = servers()
-    headers = {"Content-Type": "application/json; charset=utf-8", "Authorization": "Bearer None"}
-    assert get(s, "/health_generate", headers=headers).status_code == 200
+    assert get(s, "/health_generate", headers=SLIME_HEALTH_HEADERS).status_code == 200
     assert get(s, "/health").status_code == 200
 
 
 def test_flush_cache_by_get_and_post_answers_sglangs_text(servers):
+    """slime: ``requests.get(url + "/flush_cache")`` bare (flush_cache) and with its health headers (startup)."""
     s = servers()
-    for r in (get(s, "/flush_cache", headers={"Sec-Fetch-Site": "same-origin"}), post(s, "/flush_cache")):
-        assert r.status_code == 200 and r.text.startswith("Cache flushed.")
+    bare = get(s, "/flush_cache", headers={"User-Agent": REQUESTS_UA})
+    startup = get(s, "/flush_cache", headers={**SLIME_HEALTH_HEADERS, "User-Agent": REQUESTS_UA})
+    for r in (bare, startup, post(s, "/flush_cache")):
+        assert r.status_code == 200 and r.text.startswith("Cache flushed."), r.text
 
 
 @pytest.mark.parametrize("path", ["/model_info", "/get_model_info"])
@@ -111,7 +115,7 @@ def test_pause_and_continue_answer_sglangs_messages(servers):
 def test_slimes_update_sequence_pause_flush_continue_then_generate(servers):
     s = servers()
     assert post(s, "/pause_generation").status_code == 200
-    assert get(s, "/flush_cache", headers={"Sec-Fetch-Site": "same-origin"}).status_code == 200
+    assert get(s, "/flush_cache", headers={"User-Agent": REQUESTS_UA}).status_code == 200
     assert post(s, "/continue_generation").status_code == 200
     assert post(s, "/generate", {"input_ids": [1], "sampling_params": {"max_new_tokens": 2}}).status_code == 200
 
