@@ -55,9 +55,9 @@ def reward_for(spec: str, field: str = "data.reward", *, check_import: bool = Tr
 def check_rewards(cfg, rows=()) -> None:
     """Every reward the run names exists: task.reward and (with datasets) data.reward are importable, and with
     data.reward = auto each dataset row's verifier is a built-in one (``rows``: the PromptRows of data.train and
-    data.eval). A run that joins a cluster (ray_address) is not asked to import the user's module here: its
+    data.eval). A run that joins a cluster (cluster.address) is not asked to import the user's module here: its
     actors run on other nodes, with their own files."""
-    here = not cfg.ray_address
+    here = not cfg.cluster.address
     if cfg.task.reward:
         reward_for(cfg.task.reward, "task.reward", check_import=here)
     d = cfg.data
