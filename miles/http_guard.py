@@ -71,13 +71,20 @@ def exposure_warning(prog: str, bind_host: str, api_key: str) -> str:
 
 
 def host_of(value: str) -> str:
-    """The host part of a Host header or an Origin's authority, lower-case, IPv6 brackets removed."""
+    """The host part of a Host header or an Origin's authority, lower-case, IPv6 brackets removed. Anything after the
+    host other than a numeric port (``127.0.0.1:80@evil.com``) keeps the whole value, which no allow-list holds."""
     value = value.strip().lower()
     if "://" in value:
         value = value.split("://", 1)[1].split("/", 1)[0]
-    if value.startswith("["):
-        return value[1 : value.find("]")] if "]" in value else value
-    return value.rsplit(":", 1)[0] if value.count(":") == 1 else value
+    if value.startswith("[") and "]" in value:
+        host, rest = value[1:].split("]", 1)
+    elif value.count(":") == 1:
+        host, port = value.split(":")
+        rest = ":" + port
+    else:
+        return value
+    port = rest[1:]
+    return host if rest == "" or (rest[0] == ":" and port.isascii() and port.isdigit()) else value
 
 
 class HttpGuard:

@@ -104,6 +104,19 @@ def test_the_host_allow_list_is_loopback_and_the_bound_host_and_reads_ipv6_host_
     ]
 
 
+@pytest.mark.parametrize(
+    "host", ["127.0.0.1:{port}@evil.com", "localhost:{port}@evil.com", "[::1]:{port}@evil.com", "127.0.0.1:x{port}"]
+)
+def test_a_host_header_with_anything_but_a_port_after_a_loopback_name_is_refused(serve, host):
+    """Review 2026-12-04 S7 (a note: browsers cannot send it): the port split kept '127.0.0.1' of
+    '127.0.0.1:PORT@evil.com', so the request passed as loopback."""
+    s = serve()
+    host = host.format(port=s.url.rsplit(":", 1)[1])
+    r = httpx.post(s.url + "/update_weight_version", json={"new_version": "9"}, headers={"Host": host})
+    assert r.status_code == 400 and "Invalid host header" in r.json()["message"], (host, r.status_code, r.text)
+    assert host_of(host) == host and _version(s.url) == "default"
+
+
 def test_a_body_over_the_limit_is_refused_whole_or_chunked_and_the_server_keeps_serving(serve):
     s = serve(max_request_bytes=1000)
     big = b'{"new_version": "7", "pad": "' + b"x" * 2000 + b'"}'
@@ -173,3 +186,19 @@ def test_a_100k_deep_json_body_is_a_400_and_the_connection_keeps_serving(serve):
             assert r.status_code == 400 and "nested too deeply" in r.json()["message"], r.text[:200]
         assert client.post(s.url + "/update_weight_version", json={"new_version": "2"}).status_code == 200
     assert _version(s.url) == "2"
+
+
+def test_a_page_on_another_local_port_gets_no_cors_answer_so_its_browser_never_sends_the_json_post(serve):
+    """Review 2026-12-04 S9 (a note, kept): the Origin check ignores the port, so http://localhost:9999 passes it;
+    but a JSON POST from a page needs a CORS preflight, which gets no Access-Control-Allow-* header, so the browser
+    never sends it, and the requests a page can send without one are refused (text/plain: 415)."""
+    s = serve()
+    page = {"Origin": "http://localhost:9999"}
+    pre = httpx.request(
+        "OPTIONS",
+        s.url + "/update_weight_version",
+        headers={**page, "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "content-type"},
+    )
+    assert pre.status_code >= 400 and not any(k.lower().startswith("access-control-") for k in pre.headers), pre.headers
+    simple = httpx.post(s.url + "/update_weight_version", content=BUMP, headers={**page, "Content-Type": "text/plain"})
+    assert simple.status_code == 415 and _version(s.url) == "default"
