@@ -1,6 +1,7 @@
 """What a run needs from this machine, checked before Ray starts, each refusal with its fix: the GPUs of
 ``device=cuda``, SGLang for ``rollout.engine=sglang`` when miles launches the servers, the checkpoint (its tensors
-the model's) and the tokenizer the model names (and transformers to read an HF tokenizer).
+the model's), the tokenizer the model names (and transformers to read an HF tokenizer), and on the CPU a model whose
+weights alone exceed this machine's memory.
 
 Without these checks the same mistakes surface inside a Ray actor after its start-up (16 s for a missing
 SGLang), or as a placement group that waits forever for a GPU. A run that joins a cluster (``cluster.address``)
@@ -14,6 +15,8 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+WEIGHT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # per parameter, by model.dtype
+
 
 def check_environment(cfg) -> None:
     """Every check below, for a RunConfig ``cfg``."""
@@ -22,6 +25,7 @@ def check_environment(cfg) -> None:
     check_device(cfg)
     check_sglang_installed(cfg)
     check_model_files(cfg)
+    check_model_fits_in_memory(cfg)
 
 
 def check_device(cfg) -> None:
@@ -81,3 +85,27 @@ def check_model_files(cfg) -> None:
             raise ImportError(
                 f"model.tokenizer = {m.tokenizer!r} needs transformers: pip install transformers (or 'miles[dev]')"
             )
+
+
+def check_model_fits_in_memory(cfg) -> None:
+    """On the CPU, refuse a model whose weights alone (one copy in model.dtype: ModelConfig.num_parameters) exceed
+    this machine's memory (cgroup memory.max, else MemTotal): the run holds more than that (the trainer's copy, its
+    optimizer, the engine's copy), so it could only fail in an allocation after Ray started, or swap until killed.
+    torch is imported (to ask for CUDA under device=auto) only when the model is that large."""
+    from miles.hardware import this_cpu
+
+    m = cfg.model
+    weights, budget = m.num_parameters * WEIGHT_BYTES[m.dtype], this_cpu().host_bytes
+    if weights <= budget or cfg.device == "cuda":
+        return
+    if cfg.device == "auto":
+        import torch
+
+        if torch.cuda.is_available():
+            return
+    raise ValueError(
+        f"the model's weights alone take {weights / 2**30:,.1f} GiB ({m.dtype}; vocab_size {m.vocab_size}, "
+        f"hidden_size {m.hidden_size}, num_hidden_layers {m.num_hidden_layers}) but this machine has "
+        f"{budget / 2**30:.1f} GiB of memory; choose a smaller model, or run on GPUs (device=cuda, or "
+        "cluster.address=... to join a cluster that has them)"
+    )

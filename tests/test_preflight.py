@@ -50,3 +50,32 @@ def test_device_cuda_without_a_gpu_is_refused_with_the_fix():
         pytest.skip("this machine has a GPU")
     with pytest.raises(ValueError, match="device = 'cuda' needs 1 CUDA device.*use device=cpu"):
         check_environment(apply_overrides(quickstart(), ["device=cuda"]))
+
+
+@pytest.mark.parametrize(
+    "sizes",
+    [
+        ["model.vocab_size=1000000000000"],  # M1: 256 TB of embedding, asked of torch after Ray started
+        ["model.hidden_size=65536", "model.intermediate_size=262144", "model.num_hidden_layers=64"],  # M2: ~200 GB
+    ],
+)
+def test_a_model_whose_weights_alone_exceed_this_machines_memory_is_refused_before_anything_is_allocated(sizes):
+    """Review 2026-12-04 M1/M2 (notes): no size check against RAM; the allocation failed inside an actor (rc 1), or,
+    without an address-space cap, the init would touch the pages until the machine swapped or killed it."""
+    from miles.hardware import this_cpu
+
+    cfg = apply_overrides(quickstart(), ["device=cpu", *sizes])
+    budget_gib = f"{this_cpu().host_bytes / 2**30:.1f} GiB"
+    with pytest.raises(ValueError, match=rf"weights alone take [\d,.]+ GiB .* this machine has {budget_gib} of memory"):
+        check_environment(cfg)
+    check_environment(apply_overrides(quickstart(), ["device=cpu"]))  # the quickstart's model fits
+
+
+def test_the_weight_count_of_the_memory_check_matches_reference():
+    """ModelConfig.num_parameters (what the check counts, without torch) against the decoder built on meta."""
+    from miles.model.size import decoder_storages
+    from miles.preflight import WEIGHT_BYTES
+
+    for sizes in ([], ["model.tie_word_embeddings=false"], ["model.architecture=qwen3"], ["model.attention_bias=true"]):
+        m = apply_overrides(quickstart(), sizes).model
+        assert m.num_parameters * WEIGHT_BYTES[m.dtype] == sum(decoder_storages(m)["params"]), sizes
