@@ -43,8 +43,15 @@ class PromptRow:
 
     @property
     def key(self) -> str:
-        """What makes two rows the same problem (the eval / train overlap check)."""
-        return json.dumps(self.messages) if self.messages else " ".join(self.prompt.split())
+        """What makes two rows the same problem (the eval / train overlap check, repeated eval rows): the text with
+        each run of whitespace as one space and the case folded ("What is 2+2?" = "what is  2+2?")."""
+        if self.messages:
+            return json.dumps([[m["role"], _same_text(m["content"])] for m in self.messages])
+        return _same_text(self.prompt)
+
+
+def _same_text(text: str) -> str:
+    return " ".join(text.split()).casefold()
 
 
 def load_rows(name: str, path: str, cfg: DataConfig) -> tuple[list[PromptRow], list[str]]:

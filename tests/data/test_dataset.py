@@ -118,3 +118,18 @@ def test_eval_rows_that_are_also_train_rows_are_refused(tmp_path):
         check_no_overlap(train, {"held": held})
     fresh, _ = load_rows("f", write_jsonl(tmp_path / "f.jsonl", [{"q": "What is 70 + 1?", "a": 71}]), cfg())
     check_no_overlap(train, {"f": fresh})
+
+
+def test_an_eval_prompt_equal_to_a_train_prompt_up_to_case_is_refused_too(tmp_path):
+    """Review 2026-12-04 D26 (a note): up to whitespace was refused (D25), up to case accepted; it is the same
+    problem, so the held-out figure would count a trained one. Chat rows compare the same way."""
+    train, _ = load_rows("train", write_jsonl(tmp_path / "train.jsonl", ROWS), cfg())
+    held, _ = load_rows("held", write_jsonl(tmp_path / "held.jsonl", [{"q": "WHAT IS 7 + 1?", "a": 8}]), cfg())
+    with pytest.raises(ValueError, match=r"eval dataset 'held' \(.*held.jsonl row 0\) has the prompt of train row 7"):
+        check_no_overlap(train, {"held": held})
+    chat = DataConfig(messages_key="messages")
+    turn = lambda text: {"messages": [{"role": "user", "content": text}], "answer": "8"}  # noqa: E731
+    t, _ = load_rows("t", write_jsonl(tmp_path / "t.jsonl", [turn("What is 7 + 1?")]), chat)
+    e, _ = load_rows("e", write_jsonl(tmp_path / "e.jsonl", [turn("what is  7 + 1?")]), chat)
+    with pytest.raises(ValueError, match=r"eval dataset 'e' .* has the prompt of train row 0"):
+        check_no_overlap(t, {"e": e})
