@@ -8,7 +8,9 @@ from __future__ import annotations
 import http.server
 import json
 import math
+import socket
 import threading
+import time
 
 import pytest
 
@@ -152,3 +154,41 @@ def test_a_5xx_is_engine_unavailable_with_the_servers_message(fake):  # E19
     _answer(fake, {"error": {"message": "boom"}}, status=500)
     with pytest.raises(EngineUnavailable, match=r"HTTP 500: boom"):
         SGLangClient(fake.url).generate(_reqs())
+
+
+@pytest.fixture
+def silent():
+    """A loopback server that accepts connections, reads the request and never answers."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    held = []
+
+    def hold():
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            held.append(conn)
+
+    threading.Thread(target=hold, daemon=True).start()
+    yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    listener.close()
+    for conn in held:
+        conn.close()
+
+
+def test_a_server_that_never_answers_is_engine_unavailable_at_the_clients_bound(silent):
+    """E21 (a note): the wait is bounded, by default 600 s a request (a long generation is legitimate; the run's
+    stall watchdog names a stuck generate sooner), and a hung server is an EngineUnavailable naming it."""
+    import asyncio
+
+    default = SGLangClient(silent)
+    assert default.timeout_s == 600.0 and default.http.timeout.read == 600.0
+    for call in (
+        lambda c: c.generate(_reqs()),
+        lambda c: asyncio.run(_agenerate(c, _reqs())),
+    ):
+        start = time.monotonic()
+        with pytest.raises(EngineUnavailable, match=rf"{silent}/generate: ReadTimeout"):
+            call(SGLangClient(silent, timeout_s=1.0))
+        assert time.monotonic() - start < 30
