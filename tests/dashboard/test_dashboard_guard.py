@@ -23,6 +23,7 @@ def test_a_cross_site_or_foreign_host_request_to_the_dashboard_is_refused_and_lo
     get = lambda headers: httpx.get(dashboard + "/api/config", headers=headers)  # noqa: E731
     assert get({"Host": f"evil.example:{port}"}).status_code == 400
     assert get({"Host": f"127.0.0.1.evil.example:{port}"}).status_code == 400
+    assert get({"Host": f"127.0.0.1:{port}@evil.example"}).status_code == 400  # review 2026-12-04 B1 (S7's note)
     assert get({"Sec-Fetch-Site": "cross-site"}).status_code == 403
     assert get({"Origin": "http://evil.example"}).status_code == 403
     for host in (f"localhost:{port}", f"127.0.0.1:{port}", f"[::1]:{port}"):
