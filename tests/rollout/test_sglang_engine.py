@@ -213,20 +213,34 @@ def test_each_handoff_plan_phase_sends_exactly_its_engine_steps_release_and_resu
     assert any("weights" in tags for _, tags in everything) == ("weight" in level), everything
 
 
-def test_the_readme_gb300_command_validates_plans_and_launches_sglang_with_a_host_mirror_over_four_gpus():
+def test_the_readme_gb300_command_validates_plans_and_launches_one_sglang_engine_of_tp_4_per_tray(tmp_path):
+    """The README's worked GB300 example (a dense Qwen3-8B on two trays): its --set values validate, the plan
+    resolves before Ray starts, and each engine is launched as SGLang with tp 4 (the checkpoint path is swapped for
+    the shipped qwen3-8b config.json, which is all the planner reads)."""
+    import shutil
+
     from miles.config import apply_overrides
     from miles.planner import resolve_plan
     from miles.recipes import get_recipe
 
     readme = open(os.path.join(os.path.dirname(__file__), "..", "..", "README.md")).read()
     block = readme[readme.index("miles train --recipe gb300_qwen3_235b_plan") :].split("```")[0]
-    sets = [s.split()[0].strip("'") for s in block.split("--set ")[1:]]
-    assert "rollout.engine=sglang" in sets and len(sets) == 10
+    words = block.replace("\\\n", " ").split()
+    sets = [w.strip("'") for i, w in enumerate(words) if "=" in w and not w.startswith("--") and i > 0]
+    assert "rollout.engine=sglang" in sets and "sync.transport=broadcast" in sets and len(sets) == 9, sets
+    ckpt = tmp_path / "Qwen3-8B"
+    ckpt.mkdir()
+    shutil.copy(
+        os.path.join(os.path.dirname(__file__), "..", "..", "miles", "model", "hf_configs", "qwen3-8b.json"),
+        ckpt / "config.json",
+    )
+    sets = [s.replace("/ckpt/Qwen3-8B", str(ckpt)).replace("/shared/runs/q8", str(tmp_path / "run")) for s in sets]
+    sets.append(f"model.checkpoint={ckpt}")  # what --model sets (beside the sizes it reads from the weights)
     cfg = apply_overrides(get_recipe("gb300_qwen3_235b_plan"), sets)
     assert resolve_plan(cfg).mode in ("cpu", "gpu")  # train() resolves it before Ray starts: a refusal raises here
-    assert cfg.trainer.backend == "megatron" and cfg.sync.transport == "broadcast"
+    assert cfg.trainer.world_size == 8 and cfg.rollout.num_engines == 2 and cfg.cluster.address == "auto"
     argv = sglang_engine_argv(cfg, 0, 30000)
-    assert argv[2] == "sglang.launch_server" and argv[-3:] == ["--enable-weights-cpu-backup", "--tp-size", "4"]
+    assert argv[2] == "sglang.launch_server" and argv[-2:] == ["--tp-size", "4"]
 
 
 def test_each_launched_engine_gets_its_own_node_gpus_from_its_parallel_sizes(tmp_path):
