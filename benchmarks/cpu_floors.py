@@ -44,7 +44,7 @@ def run(argv: list[str]) -> dict:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from miles.colocated import Colocated
-    from miles.handoff import HandoffPlan
+    from miles.handoff.plan import HandoffPlan
 
     cfg = apply_overrides(trl_parity(), ["run_dir=/tmp/miles-bench-cpu-floors"])
     m, r = cfg.model, cfg.rollout

@@ -25,11 +25,11 @@ import torch
 from miles.colocated import Colocated
 from miles.config import RunConfig, apply_overrides
 from miles.driver import train
-from miles.handoff import HandoffPlan
+from miles.handoff.plan import HandoffPlan
+from miles.handoff.planner import plan as predict
 from miles.memory.host_arena import STATS as ARENA_STATS
 from miles.memory.host_arena import host_arena, keep_pinned
 from miles.memory.ledger import process_rss_bytes
-from miles.planner import plan as predict
 from miles.recipes import MODEL_SIZES as SIZES
 from miles.recipes import quickstart
 

@@ -51,8 +51,8 @@ def ledger_device_peak(events) -> int:
 
 def run(cfg: RunConfig, steps: int) -> dict:
     from miles.colocated import Colocated
-    from miles.handoff import HandoffPlan
-    from miles.planner import plan as predict
+    from miles.handoff.plan import HandoffPlan
+    from miles.handoff.planner import plan as predict
 
     cuda = cfg.device == "cuda"
     if cuda:
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> dict:
     a = p.parse_args(argv)
     cfg = bench_config(a.backend, a.steps, a.device, a.set)
     if a.dry_run:
-        from miles.planner import plan as predict
+        from miles.handoff.planner import plan as predict
 
         rep = predict(cfg, "h200", num_steps=a.steps)
         out = {"backend": cfg.trainer.backend, "mode": rep.mode, "predicted_device_peak": rep.device_peak}

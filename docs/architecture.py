@@ -4,7 +4,7 @@ rooms on its floor or below, and no two rooms import each other, directly or aro
 
 A room is a top-level module or folder of miles/; a module inside a folder may be declared as a room of its own
 (``miles/data/config.py`` and the verifier names it checks: a component's config, composed by ``miles/config.py``
-on a floor below the component itself).
+on a floor below the component itself; the handoff wing's five files, each on its own floor).
 """
 
 from pathlib import Path
@@ -26,7 +26,7 @@ LAYERS = [
             ("miles/cluster.py", "Ray placement group, actors, plan executor"),
             ("miles/cluster_nodes.py", "actors on nodes: checked, recorded, lost"),
             ("miles/colocated.py", "the same plan, in one process"),
-            ("miles/planner_view.py", "the planner's tables and charts"),
+            ("miles/handoff/view.py", "the planner's tables and charts"),
         ],
     ),
     (
@@ -52,8 +52,8 @@ LAYERS = [
             ("miles/rollout/", "engine, manager, SGLang client, HTTP server"),
             ("miles/train/", "TrainActor; torch (FSDP2) / megatron backends"),
             ("miles/reward/", "reward workers under a time limit, scorer"),
-            ("miles/planner.py", "replays a plan against sizes: peaks before launch"),
-            ("miles/plan_executor.py", "plan steps -> engine / trainer calls"),
+            ("miles/handoff/planner.py", "replays a plan against sizes: peaks before launch"),
+            ("miles/handoff/executor.py", "plan steps -> engine / trainer calls"),
         ],
     ),
     (
@@ -61,7 +61,7 @@ LAYERS = [
         [
             ("miles/sync/", "tensor / in place, broadcast, rdt, disk-delta"),
             ("miles/optim/", "optimizer state to host / NVMe; Muon"),
-            ("miles/handoff.py", "HandoffPlan: the ordered offload / onload steps"),
+            ("miles/handoff/plan.py", "HandoffPlan: the ordered offload / onload steps"),
         ],
     ),
     (
@@ -99,7 +99,8 @@ LAYERS = [
             ("miles/model/rope.py", "rotary frequencies, one formula"),
             ("miles/memory/", "tagged pause / resume, MemoryLedger"),
             ("miles/samples.py", "Sample, TrainBatch"),
-            ("miles/hardware.py", "HBM, host RAM, links per profile"),
+            ("miles/handoff/", "the handoff wing: plan, planner, executor, hardware, view"),
+            ("miles/handoff/hardware.py", "HBM, host RAM, links per profile"),
             ("miles/watchdog.py", "stall watchdog (heartbeat, stacks)"),
             ("miles/heartbeat.py", "beat files per process"),
             ("miles/stacks.py", "every process's Python stacks"),
@@ -128,7 +129,7 @@ FLOWS = [
     ("miles/cluster.py", "miles/train/", "train_step, offload"),
     ("miles/train/", "miles/sync/", "named weights"),
     ("miles/sync/", "miles/rollout/", "update_weights(version)"),
-    ("miles/planner.py", "miles/handoff.py", "the same steps"),
+    ("miles/handoff/planner.py", "miles/handoff/plan.py", "the same steps"),
 ]
 
 W, PER_ROW, BOX_H, GAP = 1180, 5, 46, 10

@@ -10,10 +10,10 @@ from pathlib import Path
 
 from miles.cluster_nodes import Placement, engine_api_key, rollout_scheduling, start_engine_hosts
 from miles.config import RunConfig
-from miles.handoff import TRAIN_ALL
+from miles.handoff.executor import PlanExecutor
+from miles.handoff.plan import TRAIN_ALL
 from miles.nodes import join_error, probe_address
 from miles.placement import address_host_port, check_nodes, trainer_bundles, trainer_strategy
-from miles.plan_executor import PlanExecutor
 from miles.preflight import check_environment
 from miles.ray_logs import drop_reported_tracebacks, quiet_startup_warnings
 from miles.threads import actor_options
@@ -207,7 +207,7 @@ class Cluster(PlanExecutor):
             if self.owns_ray:
                 ray.shutdown()
             raise
-        # the planner's order (miles.planner.replay): the engines are built first; the trainer's actors start
+        # the planner's order (miles.handoff.planner.replay): the engines are built first; the trainer's actors start
         # here holding no model, which the plan's trainer.build step creates
         # the engine side of rdt: its receive call waits inside the actor while Ray's transfer needs a second slot
         rdt = cfg.sync.transport == "rdt"

@@ -1,7 +1,7 @@
 """Colocated: the rollout manager and one trainer rank in this process, sharing one device and one MemoryLedger.
 
 It is a cluster the driver runs on (``miles.driver.train(cfg, cluster=Colocated)``) without Ray: the same loop, the
-same plan executor (miles.plan_executor), with every executed step recorded. The plan tests check plan against
+same plan executor (miles.handoff.executor), with every executed step recorded. The plan tests check plan against
 execution with it, and the handoff benchmark and notebooks measure real peaks, bytes and copy speed with it (on CPU
 here, on one GPU where Ray is not installed).
 
@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 import torch
 
 from miles.config import RunConfig
-from miles.handoff import TRAIN_ALL, Step
+from miles.handoff.executor import PlanExecutor
+from miles.handoff.plan import TRAIN_ALL, Step
 from miles.memory import LedgerEvent
-from miles.plan_executor import PlanExecutor
 from miles.rollout.manager import RolloutManager
 from miles.sources import make_sources
 from miles.train.backend import build_backend, read_checkpoint_files, sample_log_probs, write_checkpoint_files

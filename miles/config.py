@@ -215,7 +215,7 @@ class HandoffConfig:
     offload_rollout: bool = True  # release engine memory while training
     offload_rollout_level: tuple[str, ...] = ROLLOUT_LEVELS  # engine tags released: subset of kv_cache, weight
     engine_host_mirror: bool = False  # keep a host copy of engine weights instead of waiting for the sync
-    hardware: str = "auto"  # hardware profile for 'auto' and the planner (see miles.hardware)
+    hardware: str = "auto"  # hardware profile for 'auto' and the planner (see miles.handoff.hardware)
     plan_model: str = (
         ""  # HF config.json (path, or name in miles/model/hf_configs) the planner sizes instead of `model`
     )

@@ -15,8 +15,8 @@ from miles.checkpoints import step_dir_name
 from miles.cluster import Cluster
 from miles.config import RunConfig
 from miles.data.dataset import check_data
+from miles.handoff.planner import resolve_plan
 from miles.memory.ledger import pool_peaks
-from miles.planner import resolve_plan
 from miles.rollout.tasks import RewardError
 from miles.rollout_dump import RolloutDumpWriter
 from miles.run_dir import RunDir

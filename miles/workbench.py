@@ -124,7 +124,7 @@ class RunPanel:
 
 class PlannerWidget:
     """The planner with knobs: model x hardware x nodes x precision x offload level x peak device; every change
-    re-plans (milliseconds) and redraws the timeline against the budget (miles.planner_view holds the logic).
+    re-plans (milliseconds) and redraws the timeline against the budget (miles.handoff.view holds the logic).
 
     w = PlannerWidget()          # display it in a cell
     w.model.value = "kimi-k2"    # what a click does; w.view is the current picture's numbers
@@ -133,7 +133,7 @@ class PlannerWidget:
     def __init__(self, knobs=None):
         import ipywidgets as w
 
-        from miles import planner_view as pv
+        from miles.handoff import view as pv
 
         k = knobs or pv.Knobs()
         self.model = w.Dropdown(options=pv.available_hf_configs(), value=k.model, description="model")
@@ -152,7 +152,7 @@ class PlannerWidget:
         self.redraw()
 
     def current(self):
-        from miles.planner_view import Knobs
+        from miles.handoff.view import Knobs
 
         return Knobs(
             model=self.model.value,
@@ -168,7 +168,7 @@ class PlannerWidget:
         """Plan the knobs and redraw; a config the planner rejects shows its message instead of a picture."""
         from IPython.display import display
 
-        from miles.planner_view import draw, view
+        from miles.handoff.view import draw, view
 
         try:  # a knob combination can be invalid mid-change (nodes not a multiple of nodes/engine)
             self.view, self.error = view(self.current()), None

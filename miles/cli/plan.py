@@ -1,5 +1,5 @@
 """``miles plan``: the handoff plan of a recipe on a hardware profile, with every step's predicted device and host
-bytes against the budget, before anything launches (miles.planner computes; this prints).
+bytes against the budget, before anything launches (miles.handoff.planner computes; this prints).
 
 The arguments and the config are checked before the planner's heavy imports (torch, for the meta-device model).
 """
@@ -13,10 +13,10 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING
 
 from miles.config_args import ArgParser, add_config_args, config_from_args, print_config
-from miles.hardware import PROFILES, GiB
+from miles.handoff.hardware import PROFILES, GiB
 
 if TYPE_CHECKING:
-    from miles.planner import PlanReport
+    from miles.handoff.planner import PlanReport
 
 HARDWARE = [*sorted(PROFILES), "cpu", "auto"]
 EXIT_DOES_NOT_FIT = 3
@@ -87,8 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = config_from_args(args, plan=True)
     if args.print_config:
         return print_config(cfg, args, "miles plan")
-    from miles.hardware import get_profile
-    from miles.planner import choose_mode, plan
+    from miles.handoff.hardware import get_profile
+    from miles.handoff.planner import choose_mode, plan
 
     hw = get_profile(args.hardware or cfg.handoff.hardware)
     modes = ["cpu", "gpu"] if args.mode == "both" else [args.mode]

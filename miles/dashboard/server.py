@@ -89,7 +89,7 @@ def create_app(
 
     @app.get("/api/plan")
     def planned(reader: Reader):
-        from miles.planner_view import run_overlay
+        from miles.handoff.view import run_overlay
 
         return run_overlay(reader.config())
 

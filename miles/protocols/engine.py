@@ -134,7 +134,7 @@ class Engine(Protocol):
 @runtime_checkable
 class EngineMemory(Protocol):
     """The engine memory a handoff plan moves by tag: every Engine has it, and the RolloutManager applies it to each
-    engine it drives (miles.plan_executor calls nothing else on the rollout side)."""
+    engine it drives (miles.handoff.executor calls nothing else on the rollout side)."""
 
     def offload(self, tags: Iterable[str]) -> int: ...
 

@@ -80,7 +80,7 @@ class TrainActor:
 
     @on_compute_thread
     def build(self) -> None:
-        """Create the model and optimizer: the trainer's memory comes into being here (miles.handoff)."""
+        """Create the model and optimizer: the trainer's memory comes into being here (miles.handoff.plan)."""
         if self.backend is not None:
             return
         disk_dir = os.path.join(self.cfg.run_dir, "offload", f"rank{self.rank}")

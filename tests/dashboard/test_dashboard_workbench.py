@@ -13,7 +13,7 @@ from miles.dashboard.server import DashboardServer
 from miles.dashboard.snapshot import CHROMIUM, CHROMIUM_ARGS, screenshot_tabs
 from miles.dashboard.store import RunDirWriter
 from miles.dashboard.synthetic import synthetic_run, synthetic_step
-from miles.planner_view import run_overlay
+from miles.handoff.view import run_overlay
 from miles.recipes import quickstart
 from miles.rollout_dump import RolloutDumpWriter
 

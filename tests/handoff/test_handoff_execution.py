@@ -10,8 +10,8 @@ import pytest
 from miles.colocated import Colocated
 from miles.config import apply_overrides
 from miles.driver import train_in_process
-from miles.handoff import HandoffPlan, engine_level_tags
-from miles.planner import plan as predict
+from miles.handoff.plan import HandoffPlan, engine_level_tags
+from miles.handoff.planner import plan as predict
 from miles.recipes import quickstart
 
 LEVELS = ["", "kv_cache", "weight", "kv_cache,weight"]
@@ -134,5 +134,5 @@ def test_plan_validation_names_the_fix(tmp_path):
         HandoffPlan.from_config(apply_overrides(cfg, ["handoff.offload_rollout=false"]).handoff, mode="gpu")
     with pytest.raises(ValueError, match=r"unknown level\(s\) \['weights'\]; valid levels: \['kv_cache', 'weight'\]"):
         apply_overrides(cfg, ["handoff.offload_rollout_level=weights"])
-    with pytest.raises(ValueError, match="resolved by miles.planner.choose_mode"):
+    with pytest.raises(ValueError, match="resolved by miles.handoff.planner.choose_mode"):
         HandoffPlan.from_config(cfg.handoff, mode="auto")

@@ -4,8 +4,8 @@ tags, over recording handles."""
 import pytest
 
 from miles.config import HandoffConfig
-from miles.handoff import HandoffPlan, Step
-from miles.plan_executor import PlanExecutor
+from miles.handoff.executor import PlanExecutor
+from miles.handoff.plan import HandoffPlan, Step
 
 
 class Recorder(PlanExecutor):

@@ -1,5 +1,5 @@
 """The planner's prediction against a real run: train() on Ray actors (the production executor, miles.cluster)
-moves and holds exactly the bytes miles.planner replays for the same config, step by step, warm-up included."""
+moves and holds exactly the bytes miles.handoff.planner replays for the same config, step by step, warm-up included."""
 
 import json
 from collections import defaultdict
@@ -7,7 +7,7 @@ from collections import defaultdict
 import pytest
 
 from miles.driver import train
-from miles.planner import plan as predict
+from miles.handoff.planner import plan as predict
 from tests.conftest import tiny_run_cfg
 
 

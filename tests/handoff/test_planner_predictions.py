@@ -10,12 +10,12 @@ import torch
 
 from miles.cli.plan import main
 from miles.config import apply_overrides
-from miles.hardware import get_profile
+from miles.handoff.hardware import get_profile
+from miles.handoff.planner import TagSize, choose_mode, plan
 from miles.memory.host_arena import arena_footprint, caching_allocator_footprint
 from miles.memory.ledger import process_rss_bytes
 from miles.memory.tagged import _aligned_offsets, allocate_host_buffer
 from miles.model.size import available_hf_configs, count_params, load_hf_config, stated_params
-from miles.planner import TagSize, choose_mode, plan
 from miles.recipes import get_recipe, quickstart
 
 
@@ -144,7 +144,7 @@ def test_the_megatron_trainers_held_bytes_are_what_the_h200_measured():
     from pathlib import Path
 
     from miles.config import apply_overrides
-    from miles.planner import plan
+    from miles.handoff.planner import plan
     from miles.recipes import h200_100m
 
     measured = json.loads((Path(__file__).parents[2] / "benchmarks/results/megatron-embedded.gpu.json").read_text())

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from miles.handoff import HandoffPlan
+from miles.handoff.plan import HandoffPlan
 from miles.rollout.launch import (
     free_port,
     sglang_available,
@@ -187,7 +187,7 @@ def test_each_handoff_plan_phase_sends_exactly_its_engine_steps_release_and_resu
 ):
     import json
 
-    from miles.plan_executor import PlanExecutor
+    from miles.handoff.executor import PlanExecutor
 
     manager, calls = recorded_manager
     cfg = _standin(tmp_path, f"handoff.colocate_memory_peak_device={mode}", f"handoff.offload_rollout_level={level}")
@@ -220,7 +220,7 @@ def test_the_readme_gb300_command_validates_plans_and_launches_one_sglang_engine
     import shutil
 
     from miles.config import apply_overrides
-    from miles.planner import resolve_plan
+    from miles.handoff.planner import resolve_plan
     from miles.recipes import get_recipe
 
     readme = open(os.path.join(os.path.dirname(__file__), "..", "..", "README.md")).read()

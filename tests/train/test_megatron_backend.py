@@ -211,7 +211,7 @@ def test_policy_forward_peak_at_32k_tokens_and_152k_vocab_is_lower_without_fp32_
 def test_quickstart_rl_learns_in_process_with_each_backend(backend):
     """The quickstart RL loop in one process (RolloutManager + trainer backend, weights to the engine each step)."""
     from miles.colocated import Colocated
-    from miles.handoff import HandoffPlan
+    from miles.handoff.plan import HandoffPlan
     from miles.recipes import quickstart
     from miles.train.megatron_backend import MegatronBackend
     from miles.train.torch_backend import TorchBackend

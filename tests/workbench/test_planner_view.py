@@ -6,9 +6,9 @@ import pytest
 
 matplotlib.use("Agg")
 
-from miles.hardware import GiB  # noqa: E402
-from miles.planner import plan  # noqa: E402
-from miles.planner_view import HARDWARE, LEVELS, PRECISIONS, Knobs, config_for, draw, phase_spans, view  # noqa: E402
+from miles.handoff.hardware import GiB  # noqa: E402
+from miles.handoff.planner import plan  # noqa: E402
+from miles.handoff.view import HARDWARE, LEVELS, PRECISIONS, Knobs, config_for, draw, phase_spans, view  # noqa: E402
 
 
 def test_view_of_the_dsv4_recipe_equals_the_planners_peaks_in_both_orders():

@@ -1,7 +1,7 @@
 """HandoffPlan: the ordered offload/onload steps between rollout and training, decided once from the config.
 
-The driver executes a plan for real (miles.plan_executor: miles.cluster.Cluster over Ray, miles.colocated.Colocated in one
-process); the planner (miles.planner) replays the same steps against estimated sizes. Two orders (DESIGN §2):
+The driver executes a plan for real (miles.handoff.executor: miles.cluster.Cluster over Ray, miles.colocated.Colocated
+in one process); the planner (miles.handoff.planner) replays the same steps against estimated sizes. Two orders:
 
 peak device ``cpu`` (each side offloads before the other onloads; the host briefly holds both copies)
     init:           engine.offload_kv -> engine.offload_weights -> trainer.build [-> trainer.warmup]
@@ -16,15 +16,15 @@ mirror and the trainer's host backup never coexist)
     train->rollout: trainer.clear_memory -> engine.onload_weights -> trainer.offload -> sync -> engine.onload_kv
 
 An engine step carries the tags it moves (``engine_level_tags``, decided here once); the executor
-(miles.plan_executor) hands exactly those to ``RolloutManager.offload`` / ``onload``. ``offload_weights`` /
+(miles.handoff.executor) hands exactly those to ``RolloutManager.offload`` / ``onload``. ``offload_weights`` /
 ``onload_weights`` stay in the plan with empty tags when ``weight`` is not in ``offload_rollout_level``: they
 move nothing (so the executed sequence and the plan are the same list). A step's ``tags`` are
 the tags it is expected to move; the planner prices exactly those. ``trainer.build`` marks where the trainer's
 memory comes into being: the engines are built first, and in gpu mode they keep their weights resident through
-trainer init (DESIGN §2). ``trainer.warmup`` (only when the run has supervised warm-up steps) sits where the
+trainer init. ``trainer.warmup`` (only when the run has supervised warm-up steps) sits where the
 memory is laid out as for a train step, and the planner prices it as one.
 
-    plan = HandoffPlan.from_config(cfg.handoff)        # 'auto' -> miles.planner.resolve_plan
+    plan = HandoffPlan.from_config(cfg.handoff)        # 'auto' -> miles.handoff.planner.resolve_plan
     for step in plan.rollout_to_train: ...             # Step("engine", "offload_kv", ("cuda_graph", "kv_cache"))
 """
 
@@ -71,8 +71,8 @@ class HandoffPlan:
         mode = mode or cfg.colocate_memory_peak_device
         if mode == "auto":
             raise ValueError(
-                "colocate_memory_peak_device = 'auto' is resolved by miles.planner.choose_mode(run_cfg); "
-                "call miles.planner.resolve_plan(run_cfg) or pass mode='cpu' / 'gpu'"
+                "colocate_memory_peak_device = 'auto' is resolved by miles.handoff.planner.choose_mode(run_cfg); "
+                "call miles.handoff.planner.resolve_plan(run_cfg) or pass mode='cpu' / 'gpu'"
             )
         if mode not in MODES:
             raise ValueError(f"colocate_memory_peak_device = {mode!r} is not one of {list(MODES) + ['auto']}")

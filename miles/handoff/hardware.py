@@ -1,4 +1,4 @@
-"""HardwareProfile: the memory and link facts the planner checks a plan against (DESIGN §5).
+"""HardwareProfile: the memory and link facts the planner checks a plan against.
 
 A node is the unit that shares host RAM: a GB300/GB200 tray (4 GPUs, two Grace CPUs with LPDDR5X behind
 NVLink-C2C) or an HGX node (8 GPUs behind PCIe). Budgets are what a job may use: the GB300 tray's job cgroup is

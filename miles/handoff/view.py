@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from miles.hardware import GiB, get_profile
+from miles.handoff.hardware import GiB, get_profile
+from miles.handoff.planner import PlanReport, plan
 from miles.model.size import available_hf_configs
-from miles.planner import PlanReport, plan
 
 HARDWARE = ("gb300", "gb200", "h200", "h100")
 PRECISIONS = ("bf16", "fp8", "mxfp8", "nvfp4")

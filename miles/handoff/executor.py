@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from miles.handoff import Step
+from miles.handoff.plan import Step
 from miles.protocols.engine import EngineMemory
 from miles.protocols.trainer import TrainerGroup
 from miles.sync.calls import call

@@ -23,8 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from miles.config import RunConfig
-from miles.handoff import HandoffPlan, Step
-from miles.hardware import GiB, HardwareProfile, get_profile
+from miles.handoff.hardware import GiB, HardwareProfile, get_profile
+from miles.handoff.plan import HandoffPlan, Step
 
 ALIGN = 64  # TaggedMemory's per-storage alignment inside an arena
 HOST_ALLOCATORS = ("arena", "arena_kept", "caching")
