@@ -25,6 +25,12 @@ min-new-tokens penalizer does. ``pause_generation("retract")`` (the engine's) re
 queue at the next step, its tokens kept, and parks the loop holding no KV state until continue: the rows are then
 prefilled again with their tokens so far, under whatever weights the engine holds by then.
 
+The loop owns the request state (the queue, the slot of each request, aborts, pause and retract); the engine owns
+the device batch and runs the model; the data between them is miles.rollout.rows (RowState, PrefillBatch,
+StepBatch). What the loop asks of the engine: ``start(seed)``, ``prefill(PrefillBatch)``, ``step(StepBatch)``
+(each returns the weight version it ran under), ``output(...)``, its ``lock`` (held by a step and by a weight
+update), ``state`` (the RowState), ``device`` and ``max_batch_size``.
+
     loop = DecodeLoop(engine)                       # owned by the EmbeddedEngine
     outs = loop.generate(requests, seed)            # one GenerateOutput per request, in order
     loop.generate(requests, seed, on_output=fn)     # fn(i, output) as each request finishes, before the return
@@ -34,81 +40,13 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
 
 from miles.heartbeat import beat
-from miles.rollout.forward import prefill
-from miles.rollout.sampling import sample, use_triton
-
-STOP_SLOTS = 16  # stop token ids per request held on the device
-
-
-class RowState:
-    """Per-slot device state; fixed addresses, so the decode graphs read and write it in place."""
-
-    def __init__(self, num_slots: int, width: int, device):
-        z = lambda dtype: torch.zeros(num_slots, dtype=dtype, device=device)  # noqa: E731
-        self.tokens, self.lens, self.num_gen, self.max_new = (z(torch.long) for _ in range(4))
-        self.finished = torch.ones(num_slots, dtype=torch.bool, device=device)
-        self.stopped = z(torch.bool)
-        self.temperature, self.top_p, self.top_k = z(torch.float32), z(torch.float32) + 1, z(torch.long)
-        self.min_new = z(torch.long)  # stop ids are suppressed while num_gen < min_new
-        self.stop_ids = torch.full((num_slots, STOP_SLOTS), -1, dtype=torch.long, device=device)
-        self.out_ids = torch.zeros(num_slots, width, dtype=torch.long, device=device)  # width > max_new_tokens
-        self.out_lps = torch.zeros(num_slots, width, dtype=torch.float32, device=device)
-        self.seed = torch.zeros(1, dtype=torch.long, device=device)
-        # positions below prefix_len[r] are read from slot prefix_slot[r] (a shared prompt's KV; 0: none shared)
-        self.prefix_slot = torch.arange(num_slots, device=device)
-        self.prefix_len = z(torch.long)
-
-
-def advance(
-    st: RowState, rows: torch.Tensor | slice, tok: torch.Tensor, lp: torch.Tensor, *, fused: bool | None = None
-) -> None:
-    """Record the sampled token of each live row in ``rows`` and decide on the device whether it finished.
-    ``rows``: a slice (a decode step over slots [0, R): views, updated in place) or slot indices (a prefill).
-    ``fused=None``: a decode step's bookkeeping is one Triton kernel where it can run (about 15 small ops here)."""
-    if isinstance(rows, slice) and (use_triton(tok) if fused is None else fused):
-        from miles.rollout.kernels import advance_rows
-
-        advance_rows(st, tok.shape[0], tok, lp)
-        return
-    if isinstance(rows, slice):
-        idx = torch.arange(tok.shape[0], device=tok.device)
-        live = ~st.finished[rows]
-        n = st.num_gen[rows]
-        st.out_ids[idx, n] = tok  # a finished row writes past its last token: never read
-        st.out_lps[idx, n] = lp
-        hit = (tok[:, None] == st.stop_ids[rows]).any(1)
-        n += live
-        st.lens[rows] += live
-        torch.where(live, tok, st.tokens[rows], out=st.tokens[rows])
-        st.stopped[rows] |= live & hit
-        st.finished[rows] |= live & (hit | (n >= st.max_new[rows]))
-    else:
-        live = ~st.finished[rows]
-        n = st.num_gen[rows]
-        st.out_ids[rows, n] = tok
-        st.out_lps[rows, n] = lp
-        hit = (tok[:, None] == st.stop_ids[rows]).any(1)
-        n = n + live
-        st.num_gen[rows] = n
-        st.lens[rows] += live
-        st.tokens[rows] = torch.where(live, tok, st.tokens[rows])
-        st.stopped[rows] |= live & hit
-        st.finished[rows] |= live & (hit | (n >= st.max_new[rows]))
-    st.seed += 1
-
-
-def suppress_stops(st: RowState, rows: torch.Tensor | slice, logits_RV: torch.Tensor) -> None:
-    """Stop tokens get logit -inf in rows that have fewer than min_new tokens (SGLang's min_new_tokens)."""
-    stop = st.stop_ids[rows]
-    block = (st.num_gen[rows] < st.min_new[rows])[:, None] & (stop >= 0)
-    ids = stop.clamp_min(0)
-    logits_RV.scatter_(1, ids, torch.where(block, float("-inf"), logits_RV.gather(1, ids)))
+from miles.rollout.rows import PrefillBatch, StepBatch
 
 
 @dataclass(slots=True)
@@ -189,6 +127,34 @@ class DecodeLoop:
         self._inbox_lock = threading.Lock()
         self._busy = False
         self.parked = False  # a retract pause holds the loop: no row has KV state, memory may be released
+        # the request state the engine's control surface sets (abort, pause_generation, continue_generation)
+        self.running = threading.Event()
+        self.running.set()  # cleared by a pause (in place or retract), set by resume
+        self.retracting = False  # a retract pause: running rows go back to the queue
+        self.aborted: set[str] = set()  # request ids to finish with 'abort'
+        self.abort_all = False
+
+    # ---- control: what abort / pause_generation / continue_generation set -----------------------------------
+    def abort(self, rids: Iterable[str] | str = "all") -> None:
+        """Finish the given requests (or all) at the next decode step, or in the queue, with finish_reason 'abort'."""
+        if rids == "all":
+            self.abort_all = True
+        else:
+            self.aborted |= set(rids)
+
+    def pause(self, retract: bool) -> None:
+        """No decode step starts until ``resume``; the caller holds the engine's lock, so none is running either.
+        ``retract``: the running rows go back to the queue with their tokens, prefilled again on resume."""
+        self.retracting = retract
+        self.running.clear()
+
+    def resume(self) -> None:
+        self.retracting = False
+        self.running.set()
+
+    @property
+    def paused(self) -> bool:
+        return not self.running.is_set()
 
     @property
     def holds_no_rows(self) -> bool:
@@ -219,7 +185,7 @@ class DecodeLoop:
         """Run the loop until no request is left, the joined ones included; a failure reaches every caller."""
         calls = {id(items[0][0]): items[0][0]}
         try:
-            self.e._start(seed)
+            self.e.start(seed)
             self._run(deque(items), calls)  # clears _busy itself, under the lock, when it finds nothing left
         except BaseException as err:
             with self._inbox_lock:
@@ -229,7 +195,7 @@ class DecodeLoop:
                 c.fail(err)
             raise
         finally:
-            self.e._abort_all = False
+            self.abort_all = False
             self.parked = False
 
     def _run(self, waiting: deque, calls: dict) -> None:
@@ -247,7 +213,7 @@ class DecodeLoop:
                         return
                 continue
             self._drop_aborted_waiting(waiting)
-            if e._retract:
+            if self.retracting:
                 self._park(waiting)  # nothing is admitted (or prefilled) until continue
                 continue
             pinned = {r.prefix_slot for r in active.values()}  # a finished row's slot may still hold a shared prompt
@@ -265,16 +231,15 @@ class DecodeLoop:
             steps, done = self._steps_until_check(active, bool(waiting or self._inbox)), 0
             changes: list[tuple[int, int]] = []  # (step of this chunk, weight version) where the version changed
             while done < steps:
-                while not e._running.wait(0.05):  # paused in place: aborts and a retract still get through
-                    if e._retract or self._abort_requested(active):
+                while not self.running.wait(0.05):  # paused in place: aborts and a retract still get through
+                    if self.retracting or self._abort_requested(active):
                         break
-                if self._abort_requested(active) or e._retract:
+                if self._abort_requested(active) or self.retracting:
                     break
-                with e._lock:  # a pause or a weight update waits for the step; the step sees one version whole
-                    if not e._running.is_set():
+                with e.lock:  # a pause or a weight update waits for the step; the step sees one version whole
+                    if not self.running.is_set():
                         continue  # paused between the wait above and the lock
-                    e._step(R, bound=bound + done, flexible=flexible, suppress=suppress)
-                    version = e.weight_version
+                    version = e.step(StepBatch(R, bound + done, flexible, suppress))
                 if not changes or changes[-1][1] != version:
                     changes.append((done, version))
                 done += 1
@@ -286,7 +251,7 @@ class DecodeLoop:
                         r.spans.append((r.steps + d, v))
                 r.steps += done
             self._retire(active)
-            if e._retract and active:
+            if self.retracting and active:
                 self._retract(active, waiting)
 
     def _steps_until_check(self, active: dict[int, _Row], waiting: bool) -> int:
@@ -297,19 +262,17 @@ class DecodeLoop:
         return max(0, min(left, every) if can_stop else left)
 
     def _abort_requested(self, active: dict[int, _Row]) -> bool:
-        e = self.e
-        return e._abort_all or (bool(e._aborted) and any(r.req.rid in e._aborted for r in active.values()))
+        return self.abort_all or (bool(self.aborted) and any(r.req.rid in self.aborted for r in active.values()))
 
     def _drop_aborted_waiting(self, waiting: deque) -> None:
-        e = self.e
-        if not (e._abort_all or e._aborted):
+        if not (self.abort_all or self.aborted):
             return
         for item in list(waiting):
             call, i, req, carry = item
-            if e._abort_all or req.rid in e._aborted:
+            if self.abort_all or req.rid in self.aborted:
                 waiting.remove(item)
-                e._aborted.discard(req.rid)
-                call.put(i, _output(e, req, carry, [], [], "abort"))
+                self.aborted.discard(req.rid)
+                call.put(i, _output(self.e, req, carry, [], [], "abort"))
 
     # ---- admission: prefill once per distinct prompt ----------------------------------------------------------
     def _admit(self, take: list, slots: list[int], active: dict[int, _Row]) -> None:
@@ -336,7 +299,7 @@ class DecodeLoop:
 
     def _prefill(self, prompts: list[tuple], groups: dict, by_slot: dict) -> dict[int, int]:
         """Prefill the prompts and sample each row's first token; returns {slot: the weight version used}."""
-        e, st, dev = self.e, self.e.state, self.e.device
+        e = self.e
         P = max(len(p) for p in prompts)
         ids = torch.zeros(len(prompts), P, dtype=torch.long)
         for u, p in enumerate(prompts):
@@ -344,61 +307,19 @@ class DecodeLoop:
         slots = [s for p in prompts for s in groups[p]]
         src = [u for u, p in enumerate(prompts) for _ in groups[p]]
         reqs = [by_slot[s][2] for s in slots]
-        slots_t = torch.tensor(slots, device=dev)
+        rows = torch.tensor(slots, device=e.device)
         if self.share_prefix:  # the KV goes to each group's first slot only
             kv_slots, kv_src = [groups[p][0] for p in prompts], None  # prompt i into its group's first slot
             holders = [groups[p][0] for p in prompts for _ in groups[p]]
         else:
             kv_slots, kv_src, holders = slots, src, slots
-        self._reset_rows(slots_t, reqs, holders)
-        with e._lock:
-            args = (
-                e.cache,
-                e.rope,
-                ids.to(dev),
-                torch.tensor([len(p) for p in prompts], device=dev),
-                torch.tensor(kv_slots, device=dev),
-                None if kv_src is None else torch.tensor(kv_src, device=dev),
-            )
-            logits = prefill(e.model, *args, fused=e.fused)[torch.tensor(src, device=dev)]
-            if any(r.sampling.min_new_tokens > 0 for r in reqs):
-                suppress_stops(st, slots_t, logits)
-            flexible = any(r.sampling.top_p < 1 or r.sampling.top_k > 0 for r in reqs)
-            temperature = st.temperature[slots_t]
-            tok, lp = sample(
-                logits,
-                temperature,
-                st.seed,
-                e._gen,
-                top_p_R=st.top_p[slots_t] if flexible else None,
-                top_k_R=st.top_k[slots_t] if flexible else None,
-            )
-            advance(st, slots_t, tok, e.model.kernels.sampled_log_probs(logits, tok, temperature, lp))
-            return dict.fromkeys(slots, e.weight_version)
-
-    def _reset_rows(self, slots_t: torch.Tensor, reqs: list, holders: list[int]) -> None:
-        """The admitted rows' state, written with one host-to-device copy per dtype. ``holders``: the slot holding
-        each row's prompt KV."""
-        st, dev = self.e.state, self.e.device
-        pad, shared = [-1] * STOP_SLOTS, self.share_prefix
-        longs = torch.tensor(
-            [
-                [len(r.input_ids) - 1, r.sampling.max_new_tokens, r.sampling.top_k]  # advance() adds the first token
-                + [h, len(r.input_ids) if shared else 0, r.sampling.min_new_tokens]
-                + (list(r.sampling.stop_token_ids) + pad)[:STOP_SLOTS]
-                for r, h in zip(reqs, holders)
-            ],
-            dtype=torch.long,
-        ).to(dev)
-        floats = torch.tensor([[r.sampling.temperature, r.sampling.top_p] for r in reqs], dtype=torch.float32).to(dev)
-        st.lens[slots_t], st.max_new[slots_t], st.top_k[slots_t] = longs[:, 0], longs[:, 1], longs[:, 2]
-        st.prefix_slot[slots_t], st.prefix_len[slots_t] = longs[:, 3], longs[:, 4]
-        st.min_new[slots_t] = longs[:, 5]
-        st.stop_ids[slots_t] = longs[:, 6:]
-        st.temperature[slots_t], st.top_p[slots_t] = floats[:, 0], floats[:, 1]
-        st.num_gen[slots_t] = 0
-        st.finished[slots_t] = False
-        st.stopped[slots_t] = False
+        e.state.admit(rows, reqs, holders, self.share_prefix)
+        flexible = any(r.sampling.top_p < 1 or r.sampling.top_k > 0 for r in reqs)
+        suppress = any(r.sampling.min_new_tokens > 0 for r in reqs)
+        version = e.prefill(
+            PrefillBatch(ids, [len(p) for p in prompts], kv_slots, kv_src, src, rows, flexible, suppress)
+        )
+        return dict.fromkeys(slots, version)
 
     # ---- retiring finished rows: one read of the flags, one of the finished (and watched) rows' tokens ---------
     def _retire(self, active: dict[int, _Row]) -> None:
@@ -406,9 +327,7 @@ class DecodeLoop:
         slots = sorted(active)
         idx = torch.tensor(slots, device=e.device)
         # python lists from here: indexing a host tensor element by element costs microseconds per row
-        finished, stopped, num_gen = torch.stack(
-            [st.finished[idx].long(), st.stopped[idx].long(), st.num_gen[idx]]
-        ).tolist()
+        finished, stopped, num_gen = st.flags(idx)
         self.stats["flag_reads"] += 1
         aborted = {s for i, s in enumerate(slots) if not finished[i] and self._aborts(active[s])}
         done = {i for i, s in enumerate(slots) if finished[i] or s in aborted}
@@ -418,7 +337,7 @@ class DecodeLoop:
             return
         width = max(num_gen[i] for i in read)
         read_idx = idx[torch.tensor(read, device=e.device)]
-        tokens = dict(zip(read, zip(st.out_ids[read_idx, :width].tolist(), st.out_lps[read_idx, :width].tolist())))
+        tokens = dict(zip(read, zip(*st.tokens_of(read_idx, width))))
         cut = {}
         for i in watched:
             row, (ids, lps) = active[slots[i]], tokens[i]
@@ -429,17 +348,17 @@ class DecodeLoop:
                 cut[i] = max(0, keep - len(prior.ids))
         newly = sorted(set(cut) - done)
         if newly or aborted:  # a freed slot must not advance
-            st.finished[idx[torch.tensor(newly + [slots.index(s) for s in aborted], device=e.device)]] = True
+            st.finish(idx[torch.tensor(newly + [slots.index(s) for s in aborted], device=e.device)])
         for i in sorted(done | set(cut)):
             row = active.pop(slots[i])
             ids, lps = tokens[i]
             n = min(num_gen[i], cut.get(i, num_gen[i]))
             reason = "stop" if (stopped[i] or i in cut) else "abort" if slots[i] in aborted else "length"
-            e._aborted.discard(row.req.rid)
+            self.aborted.discard(row.req.rid)
             row.call.put(row.i, _output(e, row.req, row.carry, ids[:n], lps[:n], reason, versions_of(row.spans, n)))
 
     def _aborts(self, row: _Row) -> bool:
-        return self.e._abort_all or row.req.rid in self.e._aborted
+        return self.abort_all or row.req.rid in self.aborted
 
     # ---- retract: rows back to the queue with their tokens, the loop parked until continue ---------------------
     def _retract(self, active: dict[int, _Row], waiting: deque) -> None:
@@ -447,9 +366,8 @@ class DecodeLoop:
         st, slots = self.e.state, sorted(active)
         idx = torch.tensor(slots, device=self.e.device)
         num_gen = st.num_gen[idx].tolist()
-        width = max(num_gen)
-        ids, lps = st.out_ids[idx, :width].tolist(), st.out_lps[idx, :width].tolist()
-        st.finished[idx] = True
+        ids, lps = st.tokens_of(idx, max(num_gen))
+        st.finish(idx)
         back = []
         for j, s in enumerate(slots):
             row = active.pop(s)
@@ -466,7 +384,7 @@ class DecodeLoop:
         meanwhile."""
         self.parked = True
         try:
-            while not self.e._running.wait(0.05):
+            while not self.running.wait(0.05):
                 self._drop_aborted_waiting(waiting)
         finally:
             self.parked = False
@@ -489,7 +407,7 @@ def _output(e, req, carry: _Carry | None, ids: list, lps: list, reason: str, ver
     """The output of ``req`` (a retracted one's original request, its earlier tokens first)."""
     versions = versions or []
     if carry is None:
-        return e._output(req, ids, lps, reason, versions)
-    out = e._output(carry.req, carry.ids + ids, carry.lps + lps, reason, carry.versions + versions)
+        return e.output(req, ids, lps, reason, versions)
+    out = e.output(carry.req, carry.ids + ids, carry.lps + lps, reason, carry.versions + versions)
     out.retractions = carry.retractions
     return out

@@ -2,8 +2,9 @@
 
 It is the CPU default and the engine a user runs on one GPU: the same methods are served over HTTP
 (miles.rollout.server) and implemented against real SGLang (miles.rollout.sglang_client). Generation is
-miles.rollout.decode_loop (slots, prefix sharing, device-side finish flags) over miles.rollout.forward; on
-CUDA the decode step runs as CUDA graphs (miles.rollout.cuda_graphs). Memory tags follow SGLang's names:
+miles.rollout.decode_loop (the requests: queue, slots, prefix sharing, aborts, pause) over this engine (the device
+batch, miles.rollout.rows, run through miles.rollout.forward); on CUDA the decode step runs as CUDA graphs
+(miles.rollout.cuda_graphs). Memory tags follow SGLang's names:
 ``weights``, ``kv_cache``, ``cuda_graph`` (the graphs' static logits buffer and their private pool).
 """
 
@@ -25,8 +26,9 @@ from miles.protocols.engine import (
     UpdateCalls,
     WeightsNotSynced,
 )
-from miles.rollout.decode_loop import STOP_SLOTS, DecodeLoop, RowState, advance, suppress_stops
-from miles.rollout.forward import RopeTable, decode_step, decode_step_fused, fuse_projections
+from miles.rollout.decode_loop import DecodeLoop
+from miles.rollout.forward import RopeTable, decode_step, decode_step_fused, fuse_projections, prefill
+from miles.rollout.rows import STOP_SLOTS, PrefillBatch, RowState, StepBatch, advance, suppress_stops
 from miles.rollout.sampling import sample, use_triton
 
 ENGINE_TAGS = ("weights", "kv_cache", "cuda_graph")
@@ -89,12 +91,7 @@ class EmbeddedEngine(UpdateCalls):
         self.memory.register("cuda_graph", [self.logits] if self.graphs else [], policy="discard")
         self.loop = DecodeLoop(self, share_prefix=self.fast if share_prefix is None else share_prefix)
         self.weight_version = 0
-        self._lock = threading.RLock()  # held by each forward step and by weight updates
-        self._running = threading.Event()
-        self._running.set()  # cleared by pause_generation (in place or retract), set by continue_generation
-        self._retract = False  # pause_generation("retract"): running rows go back to the queue
-        self._aborted: set[str] = set()
-        self._abort_all = False
+        self.lock = threading.RLock()  # held by each forward step and by weight updates
         self._params = dict(self.model.named_parameters())
         self._unsynced: set[int] = set()  # ids of parameters discarded by a release and not written since
         self._gen: torch.Generator | None = None
@@ -133,7 +130,7 @@ class EmbeddedEngine(UpdateCalls):
             self._check_request(r)
         return self.loop.generate(requests, seed if seed is not None else torch.seed() & 0x7FFFFFFF, on_output)
 
-    def _start(self, seed: int) -> None:
+    def start(self, seed: int) -> None:
         """A new decode loop starts: its random stream (the reference sampler's generator, the kernel's seed)."""
         self._gen = torch.Generator(device=self.device)
         self._gen.manual_seed(seed)
@@ -180,11 +177,44 @@ class EmbeddedEngine(UpdateCalls):
             f"{len(self._params)} tensors have not been written since; sync the weights (update_weights_*) first"
         )
 
+    def prefill(self, b: PrefillBatch) -> int:
+        """Prefill the batch's prompts into the KV cache and sample each admitted row's first token (written into
+        the RowState); returns the weight version it ran under."""
+        st, dev = self.state, self.device
+        with self.lock:
+            args = (
+                self.cache,
+                self.rope,
+                b.ids_UP.to(dev),
+                torch.tensor(b.lens, device=dev),
+                torch.tensor(b.kv_slots, device=dev),
+                None if b.kv_src is None else torch.tensor(b.kv_src, device=dev),
+            )
+            logits = prefill(self.model, *args, fused=self.fused)[torch.tensor(b.src, device=dev)]
+            if b.suppress:
+                suppress_stops(st, b.rows, logits)
+            temperature = st.temperature[b.rows]
+            tok, lp = sample(
+                logits,
+                temperature,
+                st.seed,
+                self._gen,
+                top_p_R=st.top_p[b.rows] if b.flexible else None,
+                top_k_R=st.top_k[b.rows] if b.flexible else None,
+            )
+            advance(st, b.rows, tok, self.model.kernels.sampled_log_probs(logits, tok, temperature, lp))
+            return self.weight_version
+
+    def step(self, b: StepBatch) -> int:
+        """One decode step over slots [0, b.R) (graphed on CUDA, eager otherwise); returns the weight version it ran
+        under. ``b.flexible``: top-p / top-k rows (sampled outside the graph); ``b.suppress``: stop tokens masked in
+        rows short of min_new_tokens."""
+        with self.lock:
+            self._step(b.R, bound=b.bound, flexible=b.flexible, suppress=b.suppress)
+            return self.weight_version
+
     @torch.no_grad()
     def _step(self, R: int, *, bound: int, flexible: bool, suppress: bool = False) -> None:
-        """One decode step over slots [0, R): graphed on CUDA, eager otherwise; ``flexible``: top-p / top-k /
-        min-new-tokens rows (sampled outside the graph); ``suppress``: stop tokens masked in rows short of
-        min_new_tokens."""
         st, rows, logits = self.state, slice(0, R), self.logits[:R]
 
         prefix = (st.prefix_slot[:R], st.prefix_len[:R]) if self.loop.share_prefix else None
@@ -212,7 +242,7 @@ class EmbeddedEngine(UpdateCalls):
         else:  # the whole step (forward, sampling, bookkeeping) is one graph: one launch per step
             self.graphs.run(("step", R), lambda: (forward(), finish()))
 
-    def _output(
+    def output(
         self, req: GenerateRequest, ids: list[int], lps: list[float], reason: str, versions: list[int]
     ) -> GenerateOutput:
         return GenerateOutput(
@@ -227,10 +257,7 @@ class EmbeddedEngine(UpdateCalls):
     # ---- control surface ----------------------------------------------------------------------------------
     def abort(self, rids: Iterable[str] | str = "all") -> None:
         """Finish the given in-flight requests (or all) at the next decode step with finish_reason 'abort'."""
-        if rids == "all":
-            self._abort_all = True
-        else:
-            self._aborted |= set(rids)
+        self.loop.abort(rids)
 
     def pause_generation(self, mode: str = "in_place") -> None:
         """SGLang's modes: "in_place" holds the running rows between decode steps (KV kept); "retract" returns them
@@ -240,13 +267,11 @@ class EmbeddedEngine(UpdateCalls):
             raise EngineError(f"pause_generation mode {mode!r} is not supported; use 'abort', 'retract' or 'in_place'")
         if mode == "abort":
             self.abort("all")
-        with self._lock:  # once this returns no decode step runs until continue_generation
-            self._retract = mode == "retract"
-            self._running.clear()
+        with self.lock:  # once this returns no decode step runs until continue_generation
+            self.loop.pause(retract=mode == "retract")
 
     def continue_generation(self) -> None:
-        self._retract = False
-        self._running.set()
+        self.loop.resume()
 
     def flush_cache(self) -> None:
         """Drop cached prefixes. The embedded engine keeps no prefix cache between calls, so nothing is kept."""
@@ -255,7 +280,7 @@ class EmbeddedEngine(UpdateCalls):
         """Graphs point at the weights', the cache's and their own buffers: releasing any of these drops them."""
         tags = _check_tags(tags)
         phase = "release_" + "+".join(tags)
-        with self._lock:
+        with self.lock:
             if "weights" in tags and self.memory.tags["weights"].policy == "discard":
                 self._unsynced = {id(p) for p in self._params.values()}
             freed = self.graphs.release(phase) if self.graphs is not None else 0
@@ -263,7 +288,7 @@ class EmbeddedEngine(UpdateCalls):
 
     def onload(self, tags: Iterable[str]) -> int:
         tags = _check_tags(tags)
-        with self._lock:
+        with self.lock:
             moved = self.memory.onload(tags, phase="resume_" + "+".join(tags))
             if "kv_cache" in tags and not self.fast:
                 # a discarded cache resumes with the allocator's bytes, NaN included; the reference attention
@@ -295,7 +320,7 @@ class EmbeddedEngine(UpdateCalls):
             self._check_weight(name, t.dtype, tuple(t.shape))
         if self.memory.is_offloaded("weights"):
             raise EngineError("weights are released; onload(['weights']) before updating them")
-        with self._lock, torch.no_grad():
+        with self.lock, torch.no_grad():
             for name, t in items:
                 self._target(name).copy_(t, non_blocking=True)
             self._unsynced.difference_update(id(self._target(name)) for name, _ in items)
@@ -343,7 +368,7 @@ class EmbeddedEngine(UpdateCalls):
     def set_weight_version(self, version: int) -> None:
         """Set the version; an update opened by ``begin_weight_update`` is committed into the weights first."""
         receiver = self.weight_receiver()
-        with self._lock:  # weights and version change together between two decode steps
+        with self.lock:  # weights and version change together between two decode steps
             names = [s.name for s in receiver.manifest.specs] if receiver.is_open else []
             if receiver.commit():
                 self._unsynced.difference_update(id(self._target(n)) for n in names)
@@ -354,7 +379,7 @@ class EmbeddedEngine(UpdateCalls):
         if getattr(self, "_receiver", None) is None:
             from miles.sync.receiver import WeightReceiver
 
-            self._receiver = WeightReceiver(self._target, self._lock)
+            self._receiver = WeightReceiver(self._target, self.lock)
         return self._receiver
 
     def begin_weight_update(self, manifest) -> None:

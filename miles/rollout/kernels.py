@@ -323,7 +323,7 @@ def _advance_kernel(
     tok_ptr, lp_ptr, finished_ptr, stopped_ptr, num_gen_ptr, lens_ptr, tokens_ptr, max_new_ptr, stop_ptr,
     out_ids_ptr, out_lps_ptr, seed_ptr, W, STOPS: tl.constexpr,
 ):  # fmt: skip
-    # one program per row of a decode step over slots [0, R): decode_loop.advance's bookkeeping in one kernel
+    # one program per row of a decode step over slots [0, R): rows.advance's bookkeeping in one kernel
     row = tl.program_id(0)
     live = tl.load(finished_ptr + row).to(tl.int32) == 0
     n = tl.load(num_gen_ptr + row)
@@ -346,7 +346,7 @@ def _advance_kernel(
 
 
 def advance_rows(st, R: int, tok_R: torch.Tensor, lp_R: torch.Tensor) -> None:
-    """``decode_loop.advance(st, slice(0, R), tok, lp)`` as one kernel (the state's tensors updated in place)."""
+    """``rows.advance(st, slice(0, R), tok, lp)`` as one kernel (the state's tensors updated in place)."""
     _advance_kernel[(R,)](
         tok_R, lp_R, st.finished, st.stopped, st.num_gen, st.lens, st.tokens, st.max_new, st.stop_ids,
         st.out_ids, st.out_lps, st.seed, st.out_ids.shape[1], STOPS=st.stop_ids.shape[1], num_warps=1,

@@ -60,7 +60,7 @@ def _score_chunk(engine, chunk: list, top_k: int) -> list[Scores]:
     ids = torch.zeros(len(chunk), T, dtype=torch.long, device=dev)  # right padding: causal attention needs no mask
     for b, (s, _) in enumerate(chunk):
         ids[b, : len(s)] = torch.tensor(s, device=dev)
-    with engine._lock:
+    with engine.lock:
         logits = engine.model(ids)
     res = []
     for b, (s, t) in enumerate(chunk):

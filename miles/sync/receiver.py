@@ -33,7 +33,7 @@ class ReceiveError(ValueError):
 
 
 class WeightReceiver:
-    """receiver = WeightReceiver(engine._target, engine._lock)   # target(name) -> the engine's parameter
+    """receiver = WeightReceiver(engine._target, engine.lock)   # target(name) -> the engine's parameter
     receiver.begin(manifest)                 # validate the whole update first
     receiver.receive([(piece_meta, u8)])     # any number of buckets / rounds, in any transport
     receiver.commit()                        # True: the update is in the weights (or receiver.abort())

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from miles.rollout.decode_loop import RowState, advance
+from miles.rollout.rows import RowState, advance
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None or os.environ.get("TRITON_INTERPRET") != "1",

@@ -79,12 +79,12 @@ def test_a_bucketed_sync_takes_two_engine_calls_around_its_buckets_where_the_eng
         if two
         else ["pause_generation", "flush_cache", "begin_weight_update", "set_weight_version", "continue_generation"]
     )
-    assert engine.weight_version == 1 and engine._running.is_set()
+    assert engine.weight_version == 1 and not engine.loop.paused
 
     rec.calls.clear()
     broken = named[:5] + [(named[5][0], torch.empty_like(named[5][1], device="meta"))] + named[6:]
     with pytest.raises(SyncError, match="keep serving their previous version"):
         sync.update(broken, 2)
     assert rec.calls[-2:] == ["abort_weight_update", "continue_generation"]  # aborted, then generating again
-    assert engine.weight_version == 1 and engine._running.is_set()
+    assert engine.weight_version == 1 and not engine.loop.paused
     check_weights(named, engine.named_weights())  # shadow staging: the served weights are untouched
