@@ -5,7 +5,7 @@ import os as _os
 
 __version__ = "0.1.0"
 
-if _os.environ.get("MILES_WATCH_DIR"):  # a process of a run under the stall watchdog registers (miles.heartbeat)
-    from miles.heartbeat import register_from_env as _register
+if _os.environ.get("MILES_WATCH_DIR"):  # a process of a run under the stall watchdog registers (miles.stall.heartbeat)
+    from miles.stall.heartbeat import register_from_env as _register
 
     _register()

@@ -16,9 +16,9 @@ from miles.nodes import join_error, probe_address
 from miles.placement import address_host_port, check_nodes, trainer_bundles, trainer_strategy
 from miles.preflight import check_environment
 from miles.ray_logs import drop_reported_tracebacks, quiet_startup_warnings
+from miles.stall.watchdog import ROLLOUT_PHASES, Watchdog
 from miles.threads import actor_options
 from miles.train.actor import TrainGroup, resolve_device
-from miles.watchdog import ROLLOUT_PHASES, Watchdog
 
 log = logging.getLogger("miles")
 
@@ -172,7 +172,7 @@ class Cluster(PlanExecutor):
 
     The engines start first, then the trainer's actors (no model yet); ``plan.init``'s trainer.build step builds
     the model, then calls the ``built`` hook given to ``execute`` (a resumed run loads its checkpoint there) and
-    its trainer.warmup step calls ``warm_up``. The stall watchdog (miles.watchdog) watches from then on: ``execute``, ``generate``,
+    its trainer.warmup step calls ``warm_up``. The stall watchdog (miles.stall.watchdog) watches from then on: ``execute``, ``generate``,
     ``evaluate`` and ``save_checkpoint`` name its phases, and on a stall it calls ``abort``."""
 
     PHASES = {"init": "init", "rollout_to_train": "train", "train_to_rollout": "sync"}  # execute's phase -> watched
@@ -216,7 +216,7 @@ class Cluster(PlanExecutor):
             int, dict
         ] = {}  # next_step -> the dataset position, for a checkpoint without the rollout
         self.watchdog = Watchdog(cfg.watchdog_s, cfg.run_dir, stop=self.abort)
-        env = self.watchdog.env()  # the actors, and every process they start, register with it (miles.heartbeat)
+        env = self.watchdog.env()  # the actors, and every process they start, register with it (miles.stall.heartbeat)
         self.engine_hosts = start_engine_hosts(cfg, self.device, env)  # servers on other nodes (cluster.engine_nodes)
         self.rollout = (
             ray.remote(RolloutManager)

@@ -23,9 +23,9 @@ from miles.handoff.plan import TRAIN_ALL, Step
 from miles.memory import LedgerEvent
 from miles.rollout.manager import RolloutManager
 from miles.sources import make_sources
+from miles.stall.watchdog import Unwatched
 from miles.train.backend import build_backend, read_checkpoint_files, sample_log_probs, write_checkpoint_files
 from miles.train.torch_backend import TorchBackend
-from miles.watchdog import Unwatched
 
 
 @dataclass(slots=True)

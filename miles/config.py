@@ -309,7 +309,7 @@ class RunConfig:
     dump_rollouts: bool = True  # per-step samples and per-token columns for the dashboard
     # seconds without progress before the run stops with every process's Python stacks in run_dir/stall-<UTC>/;
     # after 3 RL steps, generate/reward/train/sync get min(this, max(60, 10 x the slowest step)); 0 = off
-    # (miles.watchdog says what counts as progress)
+    # (miles.stall.watchdog says what counts as progress)
     watchdog_s: float = 900.0
     # engine and trainer compute each sampled token's log-prob with the same invariant kernels (miles.model.kernels):
     # train_rollout_logprob_max_abs_diff reads exactly 0.0; slower forwards (benchmarks/true_on_policy.py)

@@ -20,8 +20,8 @@ from miles.memory.ledger import pool_peaks
 from miles.rollout.tasks import RewardError
 from miles.rollout_dump import RolloutDumpWriter
 from miles.run_dir import RunDir
+from miles.stall.watchdog import StallError
 from miles.trackers import Trackers
-from miles.watchdog import StallError
 
 if TYPE_CHECKING:
     from miles.colocated import Colocated  # imported where it runs: its rollout and trainer imports take seconds
@@ -46,7 +46,7 @@ def train(
         log.info(plan.describe())
         with (cluster or Cluster)(cfg) as c, Trackers.open(cfg.log, run, config=cfg.to_dict()):
             book = Bookkeeper(cfg, run, c, on_step)
-            # the stall watchdog (miles.watchdog) or a node that left the cluster ends the run here, in one line
+            # the stall watchdog (miles.stall.watchdog) or a node that left the cluster ends the run here, in one line
             with book.stops_on_stall(), book.stops_on_node_loss():
                 start = book.find_checkpoint()
                 # the trainer exists from the plan's trainer.build step on; a resumed run is warm already
@@ -226,7 +226,7 @@ class Bookkeeper:
 
     @contextlib.contextmanager
     def stops_on_stall(self):
-        """A stall (miles.watchdog) ends the run with StallError: one line naming the phase, the directory of the
+        """A stall (miles.stall.watchdog) ends the run with StallError: one line naming the phase, the directory of the
         stacks, and what a rerun resumes from. After a stall on the rollout side (generate, reward, eval) the
         trainer is sound, so the steps before it are saved first, as after a failed reward; after any other, the
         newest checkpoint on disk is what is kept."""

@@ -25,7 +25,7 @@ import miles.driver
 from miles.cli import explain
 from miles.data.config import DataConfig
 from miles.driver import train
-from miles.watchdog import StallError
+from miles.stall.watchdog import StallError
 from tests.conftest import tiny_run_cfg
 
 pytestmark = [pytest.mark.procs, pytest.mark.timeout(600)]  # procs: it starts processes or servers
@@ -219,7 +219,7 @@ def test_the_stacks_of_a_process_stuck_in_c_holding_the_gil_are_dumped(tmp_path)
     import subprocess
     import sys
 
-    from miles.stacks import dump_stacks, registered
+    from miles.stall.stacks import dump_stacks, registered
 
     code = (
         "import re, threading, time, miles\n"
@@ -251,7 +251,7 @@ def test_a_registration_whose_pid_now_names_another_process_is_never_signalled(t
     me = psutil.Process()
     info = {"role": "engine-0", "pid": me.pid, "created": me.create_time() - 100, "phase": "", "since": 0}
     (watch / f"engine-0-{me.pid}.beat").write_text(json.dumps(info))
-    from miles.stacks import registered
+    from miles.stall.stacks import registered
 
     assert registered(watch) == [] and not (watch / f"engine-0-{me.pid}.beat").exists()
 
@@ -261,12 +261,12 @@ def test_heartbeats_are_progress_and_a_stall_is_named_after_the_sub_phase_a_proc
     import subprocess
     import sys
 
-    from miles.watchdog import Watchdog
+    from miles.stall.watchdog import Watchdog
 
     stops = []
     wd = Watchdog(2, tmp_path / "run", stop=stops.append)
     code = (
-        "import time, miles\nfrom miles import heartbeat\nheartbeat.name('rollout')\nheartbeat.phase('reward')\n"
+        "import time, miles\nfrom miles.stall import heartbeat\nheartbeat.name('rollout')\nheartbeat.phase('reward')\n"
         "t = time.time()\nwhile time.time() - t < 5:\n    heartbeat.beat()\n    time.sleep(0.1)\n"
         "print('hung', flush=True)\ntime.sleep(600)\n"
     )
@@ -291,7 +291,7 @@ def test_heartbeats_are_progress_and_a_stall_is_named_after_the_sub_phase_a_proc
 
 
 def test_a_stall_whose_stacks_cannot_be_written_still_stops_the_run_and_says_so(tmp_path):
-    from miles.watchdog import Watchdog
+    from miles.stall.watchdog import Watchdog
 
     (tmp_path / "run").write_text("a file where the run directory should be")
     stops = []

@@ -8,7 +8,7 @@ import pytest
 
 from miles.config import apply_overrides
 from miles.recipes import quickstart
-from miles.watchdog import Stall, StallLimits
+from miles.stall.watchdog import Stall, StallLimits
 
 
 def test_the_limit_is_watchdog_s_until_three_steps_are_measured_then_ten_times_the_slowest_step():

@@ -26,8 +26,8 @@ import weakref
 from collections import deque
 from multiprocessing.connection import Connection, wait
 
-from miles import heartbeat
 from miles.protocols.reward import Call, CallResult
+from miles.stall import heartbeat
 
 MAX_FAILED_STARTS = 3
 
@@ -185,7 +185,7 @@ class RewardPool:
             else:  # "fail"
                 results[w.todo.pop(0)] = CallResult(error=msg[1], seconds=msg[2], traceback=msg[3])
             w.since = now
-            heartbeat.beat()  # a reward call done, a worker ready: progress (miles.watchdog)
+            heartbeat.beat()  # a reward call done, a worker ready: progress (miles.stall.watchdog)
             if not w.conn.poll():
                 return
 

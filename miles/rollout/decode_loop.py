@@ -45,8 +45,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from miles.heartbeat import beat
 from miles.rollout.rows import PrefillBatch, StepBatch
+from miles.stall.heartbeat import beat
 
 
 @dataclass(slots=True)
@@ -244,7 +244,7 @@ class DecodeLoop:
                     changes.append((done, version))
                 done += 1
             self.stats["steps"] += done
-            beat()  # progress for the stall watchdog (miles.heartbeat): cheap, at most a file touch per 0.5 s
+            beat()  # progress for the stall watchdog (miles.stall.heartbeat): cheap, at most a file touch per 0.5 s
             for r in active.values():
                 for d, v in changes:
                     if r.spans[-1][1] != v:

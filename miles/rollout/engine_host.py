@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import logging
 
-from miles import heartbeat
 from miles.nodes import NodeInfo, this_node
 from miles.rollout.launch import ServerProcess, engine_server
 from miles.rollout.router import Router
 from miles.rollout.sglang_client import SGLangClient
 from miles.sglang_flags import STANDIN
+from miles.stall import heartbeat
 
 log = logging.getLogger(__name__)
 STOP_TIMEOUT_S = 30.0

@@ -15,7 +15,6 @@ from collections.abc import Callable
 
 import torch
 
-from miles import heartbeat
 from miles.config import RunConfig
 from miles.memory import MemoryLedger
 from miles.model.tokenizer import load_tokenizer
@@ -31,6 +30,7 @@ from miles.rollout.sglang_client import SGLangClient
 from miles.rollout.tail import RoundLog, assign_advantages, rollout_metrics, shape_overlong_of, to_shards
 from miles.samples import Sample, TrainBatch
 from miles.sglang_flags import STANDIN
+from miles.stall import heartbeat
 from miles.threads import init_on_compute_thread, on_compute_thread
 
 
@@ -101,7 +101,7 @@ class RolloutManager(UpdateCalls):
         """The source's samples of ``key`` (a step, or a refill round of one), scored and overlong-shaped."""
         heartbeat.phase("generate")
         samples, source_metrics = self.source.samples(key)
-        heartbeat.phase("reward")  # a stall from here on is the reward's (miles.watchdog)
+        heartbeat.phase("reward")  # a stall from here on is the reward's (miles.stall.watchdog)
         scoring = self.source.score(samples, key)
         rounds.add(source_metrics, shape_overlong_of(samples, self.cfg.rollout), scoring)
         return samples

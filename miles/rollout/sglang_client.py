@@ -27,7 +27,6 @@ from collections.abc import Iterable
 import httpx
 import torch
 
-from miles.heartbeat import beat
 from miles.http_guard import api_key_from, bearer_headers
 from miles.protocols.engine import EngineError, GenerateOutput, GenerateRequest
 from miles.rollout.sglang_api import FLATTENED_BUCKET, encode_payload, generate_body
@@ -38,6 +37,7 @@ from miles.rollout.sglang_responses import (  # noqa: F401 - EngineUnavailable r
     decode_json,
     parse_outputs,
 )
+from miles.stall.heartbeat import beat
 
 log = logging.getLogger(__name__)
 logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request drowns every other log
@@ -147,7 +147,7 @@ class SGLangClient:
         if not requests:
             return []
         res = self._post("/generate", generate_body(requests, seed), _generate_bytes(requests), json_only=True)
-        beat()  # a finished call is progress for the stall watchdog (miles.heartbeat)
+        beat()  # a finished call is progress for the stall watchdog (miles.stall.heartbeat)
         return parse_outputs(res, requests, self.url + "/generate", self.vocab_size)
 
     async def agenerate(self, requests: list[GenerateRequest], *, seed: int | None = None) -> list[GenerateOutput]:

@@ -10,12 +10,12 @@ import os
 
 import torch
 
-from miles import heartbeat
 from miles.config import RunConfig
 from miles.memory import MemoryLedger
 from miles.nodes import NodeInfo, interface_of, this_node
 from miles.placement import local_ranks
 from miles.ports import free_port
+from miles.stall import heartbeat
 from miles.threads import actor_options, init_on_compute_thread, on_compute_thread
 from miles.train.backend import build_backend, read_checkpoint_files, sample_log_probs, write_checkpoint_files
 
@@ -160,7 +160,7 @@ class TrainGroup:
         self, cfg: RunConfig, placement_group, num_gpus_per_actor: float, wait: bool = True, env: dict | None = None
     ):
         """``wait=False``: return once the actors are asked for; ``wait_ready`` then waits for their processes.
-        ``env``: more environment variables for every rank (the stall watchdog's, miles.watchdog)."""
+        ``env``: more environment variables for every rank (the stall watchdog's, miles.stall.watchdog)."""
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 

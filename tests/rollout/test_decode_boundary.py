@@ -27,5 +27,7 @@ def test_the_decode_loop_and_the_engine_use_no_private_name_of_another_object(na
 
 
 def test_the_check_sees_a_private_name_reached_through_another_object():
-    src = "class L:\n    def f(self):\n        e = self.e\n        e._lock\n        self.e._step()\n        self._own()\n"
+    src = (
+        "class L:\n    def f(self):\n        e = self.e\n        e._lock\n        self.e._step()\n        self._own()\n"
+    )
     assert private_reaches(src) == ["line 4: e._lock", "line 5: self.e._step"]

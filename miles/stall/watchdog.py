@@ -1,12 +1,12 @@
 """The stall watchdog: a run that makes no progress for its limit dumps the Python stacks of every miles process
-into ``run_dir/stall-<UTC>/`` (miles.stacks) and stops with one line naming the phase and that directory.
+into ``run_dir/stall-<UTC>/`` (miles.stall.stacks) and stops with one line naming the phase and that directory.
 
 Progress is any of:
 - a phase transition of the driver: init, warm-up (each supervised step), eval, generate, train, sync, record,
   checkpoint (``Watchdog.phase``; train covers the handoff into training, sync the handoff back and the sync);
-- a sub-phase a process reports: the rollout actor's generate -> reward (miles.heartbeat.phase), which also names
+- a sub-phase a process reports: the rollout actor's generate -> reward (miles.stall.heartbeat.phase), which also names
   the phase of a stall;
-- a heartbeat from any registered process (miles.heartbeat.beat) inside a phase that can legitimately be long: an
+- a heartbeat from any registered process (miles.stall.heartbeat.beat) inside a phase that can legitimately be long: an
   embedded engine beats every decode-loop turn (at most 16 decode steps; in the rollout actor and in ``miles serve``
   engines), an SGLang client at every finished generate call. So a long generate or eval is progress while tokens
   come; a reward, a train step, a sync, a checkpoint write beat only at their start and end.
@@ -40,8 +40,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
 
-from miles.heartbeat import ENV
-from miles.stacks import Registered, dump_stacks, registered
+from miles.stall.heartbeat import ENV
+from miles.stall.stacks import Registered, dump_stacks, registered
 
 log = logging.getLogger("miles")
 
@@ -111,7 +111,7 @@ class Watchdog:
         self._thread: threading.Thread | None = None
 
     def env(self) -> dict[str, str]:
-        """Environment for the run's actors: they and every process they start register (miles.heartbeat)."""
+        """Environment for the run's actors: they and every process they start register (miles.stall.heartbeat)."""
         return {ENV: str(self.directory)} if self.directory else {}
 
     def start(self) -> None:

@@ -1,4 +1,4 @@
-"""The process side of the stall watchdog (miles.watchdog): every miles process started under a run registers in
+"""The process side of the stall watchdog (miles.stall.watchdog): every miles process started under a run registers in
 the run's watch directory, says when it makes progress, and dumps its Python stacks when the driver asks.
 
 A process registers when ``import miles`` finds ``MILES_WATCH_DIR`` in its environment: the run's Ray actors get

@@ -1,6 +1,6 @@
-"""Stack dumps of a run's processes: what the stall watchdog (miles.watchdog) writes into ``run_dir/stall-<UTC>/``.
+"""Stack dumps of a run's processes: what the stall watchdog (miles.stall.watchdog) writes into ``run_dir/stall-<UTC>/``.
 
-Each process registered in the watch directory (miles.heartbeat) gets SIGUSR1 and its faulthandler writes every
+Each process registered in the watch directory (miles.stall.heartbeat) gets SIGUSR1 and its faulthandler writes every
 thread's stack into its ``.stacks`` file; the new part is copied to ``<role>-<pid>.txt`` under a header naming
 the process, its phase and its last heartbeat. The driver dumps its own threads directly. ``processes.txt`` lists
 every process with what came back, and the processes they started that are not miles processes (a real SGLang
@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from miles.heartbeat import DUMP_SIGNAL
+from miles.stall.heartbeat import DUMP_SIGNAL
 
 SETTLE_S = 0.3  # a stacks file that stopped growing this long is complete
 
