@@ -92,7 +92,7 @@ def check_model_fits_in_memory(cfg) -> None:
     this machine's memory (cgroup memory.max, else MemTotal): the run holds more than that (the trainer's copy, its
     optimizer, the engine's copy), so it could only fail in an allocation after Ray started, or swap until killed.
     torch is imported (to ask for CUDA under device=auto) only when the model is that large."""
-    from miles.hardware import this_cpu
+    from miles.handoff.hardware import this_cpu
 
     m = cfg.model
     weights, budget = m.num_parameters * WEIGHT_BYTES[m.dtype], this_cpu().host_bytes

@@ -62,7 +62,7 @@ def test_device_cuda_without_a_gpu_is_refused_with_the_fix():
 def test_a_model_whose_weights_alone_exceed_this_machines_memory_is_refused_before_anything_is_allocated(sizes):
     """Review 2026-12-04 M1/M2 (notes): no size check against RAM; the allocation failed inside an actor (rc 1), or,
     without an address-space cap, the init would touch the pages until the machine swapped or killed it."""
-    from miles.hardware import this_cpu
+    from miles.handoff.hardware import this_cpu
 
     cfg = apply_overrides(quickstart(), ["device=cpu", *sizes])
     budget_gib = f"{this_cpu().host_bytes / 2**30:.1f} GiB"
