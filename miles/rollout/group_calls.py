@@ -66,9 +66,11 @@ class GroupCalls:
         self.pending = {"group_name": group_name, "address": f"{address}:{port}", "since": time.monotonic()}
         args = (address, port, rank, world_size, group_name, backend, self.connect_timeout_s)
         done = _in_thread(self.engine.init_weights_update_group, *args)
+        joined = asyncio.wrap_future(done)
         try:
-            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(done)), self.connect_timeout_s)
+            await asyncio.wait_for(asyncio.shield(joined), self.connect_timeout_s)
         except TimeoutError:
+            joined.add_done_callback(lambda f: f.cancelled() or f.exception())  # its late error was answered already
             self._abandon(done, group_name)
             raise GroupJoinFailed(
                 f"could not join group {group_name!r} at {address}:{port} within {self.connect_timeout_s:.0f} s "
