@@ -44,6 +44,10 @@ DELIBERATE_DIFFERENCES = (
     "/init_weights_update_group joins are answered within --group-connect-timeout-s and one may be pending (409), "
     "so a trainer that never forms its group costs seconds, not the 300 s collective timeout",
     "4xx bodies carry success/message beside SGLang's error.message (miles' own clients read message)",
+    "the HTTP guard (miles.http_guard) refuses what a web page could send: a foreign Host header, a cross-site "
+    "request, a body not declared application/json, and a browser's GET of /flush_cache or the memory endpoints "
+    "without a key or same-origin evidence (an <img> on any page would release the weights); programs' GETs, as "
+    "slime sends, pass",
     "the OpenAI routes run no tool-call or reasoning parser: message.content is the generated text, tool_calls "
     "and reasoning_content are null (the tools still reach the chat template)",
 )
