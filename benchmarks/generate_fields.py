@@ -6,7 +6,9 @@ generate exactly ``--max-new-tokens``) goes to each in alternating rounds; then 
 with the new fields on (a text prompt, stop strings that never match, token texts in the log-probs, top log-probs,
 streaming, prefill scoring). Reports requests/s and tokens/s per case (median over rounds) and, per round, the
 ratio of each case to the old server's plain load measured just before it (their median: ``vs_before_plain``),
-which is what survives a shared, noisy machine.
+which is what survives a shared, noisy machine; likewise the server process's CPU time per request
+(``server_cpu_ms_per_request``, ``cpu_vs_before_plain``), which other load on the machine changes less than the
+wall time.
 
     miles bench generate_fields --json                       # 200 requests x 3 rounds, quickstart model
     miles bench generate_fields --base main~5 --num-requests 400
@@ -143,17 +145,19 @@ def run(argv: list[str]) -> dict:
         procs.append(after)
         n = a.num_requests
         plain = [_body(i, a) for i in range(n)]
-        for url in (url_before, url_after):  # warm both
-            asyncio.run(_fire(url, plain[: 4 * cfg.rollout.max_batch_size // 8 or 8]))
+        for url, pid in ((url_before, before.pid), (url_after, after.pid)):  # warm both
+            asyncio.run(_fire(url, plain[: 4 * cfg.rollout.max_batch_size // 8 or 8], pid))
         rounds: dict[str, list[dict]] = {"before/plain": [], **{f"after/{c}": [] for c in CASES}}
         ratios: dict[str, list[float]] = {k: [] for k in rounds}
+        cpu_ratios: dict[str, list[float]] = {k: [] for k in rounds}
         for _ in range(a.rounds):
             for case, (extra, sampling) in CASES.items():  # each case right after its own old-server baseline
-                base = asyncio.run(_fire(url_before, plain))
+                base = asyncio.run(_fire(url_before, plain, before.pid))
                 rounds["before/plain"].append(base)
-                got = asyncio.run(_fire(url_after, [_body(i, a, extra, sampling) for i in range(n)]))
+                got = asyncio.run(_fire(url_after, [_body(i, a, extra, sampling) for i in range(n)], after.pid))
                 rounds[f"after/{case}"].append(got)
                 ratios[f"after/{case}"].append(got["requests_per_s"] / base["requests_per_s"])
+                cpu_ratios[f"after/{case}"].append(got["server_cpu_ms_per_request"] / base["server_cpu_ms_per_request"])
     finally:
         for p in procs:
             p.terminate()
@@ -162,11 +166,16 @@ def run(argv: list[str]) -> dict:
         shutil.rmtree(tmp, ignore_errors=True)
     med = lambda rs, k: round(statistics.median(r[k] for r in rs), 1)  # noqa: E731
     table = {
-        k: {"requests_per_s": med(v, "requests_per_s"), "tokens_per_s": med(v, "tokens_per_s")}
+        k: {
+            "requests_per_s": med(v, "requests_per_s"),
+            "tokens_per_s": med(v, "tokens_per_s"),
+            "server_cpu_ms_per_request": med(v, "server_cpu_ms_per_request"),
+        }
         for k, v in rounds.items()
     }
     for k, row in table.items():
         row["vs_before_plain"] = round(statistics.median(ratios[k]), 3) if ratios[k] else 1.0
+        row["cpu_vs_before_plain"] = round(statistics.median(cpu_ratios[k]), 3) if cpu_ratios[k] else 1.0
     return {
         "config": {
             "base": a.base,
