@@ -27,7 +27,8 @@ from miles.protocols.engine import (
     WeightsNotSynced,
 )
 from miles.rollout.decode_loop import DecodeLoop
-from miles.rollout.forward import RopeTable, decode_step, decode_step_fused, fuse_projections, prefill
+from miles.rollout.forward import RopeTable, decode_step, decode_step_fused, fuse_projections
+from miles.rollout.forward import prefill as forward_prefill
 from miles.rollout.rows import STOP_SLOTS, PrefillBatch, RowState, StepBatch, advance, suppress_stops
 from miles.rollout.sampling import sample, use_triton
 
@@ -190,7 +191,7 @@ class EmbeddedEngine(UpdateCalls):
                 torch.tensor(b.kv_slots, device=dev),
                 None if b.kv_src is None else torch.tensor(b.kv_src, device=dev),
             )
-            logits = prefill(self.model, *args, fused=self.fused)[torch.tensor(b.src, device=dev)]
+            logits = forward_prefill(self.model, *args, fused=self.fused)[torch.tensor(b.src, device=dev)]
             if b.suppress:
                 suppress_stops(st, b.rows, logits)
             temperature = st.temperature[b.rows]
