@@ -308,11 +308,12 @@ def smollm2_tools() -> RunConfig:
     from miles.envs import calculator
     from miles.model.from_checkpoint import config_from_checkpoint
 
-    model = config_from_checkpoint(smollm2_gguf_path())  # its tokenizer and chat template come with it
+    # its tokenizer and chat template come with it
+    model = config_from_checkpoint(smollm2_gguf_path(), max_position_embeddings=1024)
     train, test = calculator.splits(20000)
     d = quickstart().to_dict()
     d.update(recipe="smollm2_tools", run_dir="runs/smollm2_tools", num_steps=200, checkpoint_every=0, device="auto")
-    d["model"] = model.as_dict() | {"max_position_embeddings": 1024}
+    d["model"] = model.as_dict()
     d["rollout"].update(
         num_prompts_per_step=32,
         n_samples_per_prompt=8,

@@ -53,8 +53,15 @@ ARCHITECTURE = (
 
 def config_from_checkpoint(path, **explicit) -> ModelConfig:
     """The decoder config of an HF directory or a GGUF file, its tokenizer included when it has one; ``explicit``
-    fields are held against it as ``--set model.X=`` values are."""
-    return model_from_checkpoint(ModelConfig().as_dict() | {"checkpoint": str(path)}, explicit)
+    fields are applied and held against it as ``--set model.X=`` values are (an architecture field that differs is
+    refused, a run field such as max_position_embeddings, dtype or tokenizer is the caller's)."""
+    base = ModelConfig().as_dict()
+    unknown = sorted(set(explicit) - set(base))
+    if unknown:
+        raise ValueError(
+            f"{', '.join(f'model.{k}' for k in unknown)} is not a model field; the fields are {', '.join(base)}"
+        )
+    return model_from_checkpoint(base | dict(explicit) | {"checkpoint": str(path)}, explicit)
 
 
 def run_model_section(model: dict, explicit: Mapping[str, object]) -> dict:

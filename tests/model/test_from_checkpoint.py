@@ -87,6 +87,24 @@ def test_an_explicit_override_that_contradicts_the_checkpoint_is_refused_and_one
         apply_overrides(quickstart(), [f"model.checkpoint={tmp_path}", "model.max_position_embeddings=512"])
 
 
+def test_config_from_checkpoint_applies_the_explicit_fields_it_is_given_and_refuses_contradictions(tmp_path):
+    """Recipes call config_from_checkpoint(path, max_position_embeddings=256): the value was checked against the
+    checkpoint but not applied (the run got ModelConfig's default 512)."""
+    from miles.model.from_checkpoint import config_from_checkpoint
+
+    _saved(tmp_path)
+    cfg = config_from_checkpoint(tmp_path, max_position_embeddings=128, dtype="bfloat16", tokenizer="bytes")
+    assert (cfg.max_position_embeddings, cfg.dtype, cfg.tokenizer) == (128, "bfloat16", "bytes")
+    assert cfg.hidden_size == 64 and config_from_checkpoint(tmp_path, hidden_size=64).hidden_size == 64
+    assert config_from_checkpoint(tmp_path).max_position_embeddings == 256  # unasked: the default, at most its own
+    with pytest.raises(ValueError, match="model.hidden_size=128 \\(it says 64\\)"):
+        config_from_checkpoint(tmp_path, hidden_size=128)
+    with pytest.raises(ValueError, match="longer than .* allows \\(256\\); use at most 256"):
+        config_from_checkpoint(tmp_path, max_position_embeddings=512)
+    with pytest.raises(ValueError, match="model.hidden_sise is not a model field"):
+        config_from_checkpoint(tmp_path, hidden_sise=64)
+
+
 def test_a_recipe_that_already_has_the_checkpoint_is_not_rebuilt_unless_a_model_field_is_set(tmp_path):
     """A run's saved config (serve --config, resume) keeps what it was resolved to, an explicit tokenizer too."""
     _saved(tmp_path)
