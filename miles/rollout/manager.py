@@ -152,7 +152,7 @@ class RolloutManager(UpdateCalls):
                     "prompt_len": P,
                     "loss_mask": [0] * P + list(s.metadata.get("loss_mask") or [1] * len(s.response_ids)),
                     "rollout_log_probs": [0.0] * P + list(s.rollout_log_probs),
-                    "train_log_probs": (train_log_probs or {}).get(s.index),
+                    "train_log_probs": _per_token((train_log_probs or {}).get(s.index), len(s.tokens)),
                     "advantages": [0.0] * P + [s.advantage] * len(s.response_ids),
                     "weight_version": s.weight_version,
                     "finish_reason": s.finish_reason,
@@ -373,3 +373,10 @@ def engine_health(engines) -> dict[str, int]:
     live = sum(len(r.live()) for r in routers) + len(engines) - len(routers)
     recovered = sum(kind == "recovered" for r in routers for _, kind, _ in r.events)
     return {"engines/live": live, "engines/recovered": recovered}
+
+
+def _per_token(values: list[float] | None, num_tokens: int) -> list[float] | None:
+    """The trainer's log-probs (up to a sample's last trained token) as one value per token: NaN after it. A sample
+    whose tail is masked (an episode that ended on the environment's turn, a failed or aborted one: no trained token)
+    gets fewer values than tokens from the trainer."""
+    return None if values is None else (list(values) + [float("nan")] * num_tokens)[:num_tokens]

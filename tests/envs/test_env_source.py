@@ -80,6 +80,27 @@ def test_an_env_that_raises_hangs_or_returns_garbage_fails_its_episode_not_the_r
     assert again["env/episodes_failed"] == 5 and again["env/errors_timeout"] == 1
 
 
+def test_a_failing_env_is_counted_in_each_rl_steps_metrics_row_and_the_run_trains_on(tmp_path):
+    """The whole loop (driver.train in this process): every RL step's row in metrics.jsonl counts the failed
+    episodes by kind, the trainer steps on the healthy episode, and the run ends with its final checkpoint."""
+    import math
+
+    from miles.driver import train_in_process
+
+    cfg = cfg_for(tmp_path, "faulty_envs:FaultyEnv", FAULTS, "num_steps=2", "trainer.warmup_sft_steps=0")
+    train_in_process(cfg)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rl = [r for r in rows if "phase" not in r]
+    assert [r["step"] for r in rl] == [0, 1]
+    for r in rl:
+        errors = (r["env/errors_raised"], r["env/errors_timeout"], r["env/errors_garbage"])
+        assert errors == (2, 1, 2) and r["env/episodes_failed"] == 5 and r["env/episodes_done"] == 1
+        assert math.isfinite(r["loss"])
+    assert list((tmp_path / "run" / "checkpoints").glob("step_*2"))
+    # the dashboard's dump of each step holds the failed episodes too (their log-probs from the trainer: none)
+    assert sorted(p.name for p in (tmp_path / "run" / "rollouts").iterdir()) == ["step_000000", "step_000001"]
+
+
 def test_turns_and_tokens_are_bounded(tmp_path):
     cfg = cfg_for(tmp_path, "faulty_envs:TwoTurnEnv", ["none"] * 2, 'env.args={"turns": 50}', "env.max_turns=3")
     m = RolloutManager(cfg, "cpu", sources=make_sources)
