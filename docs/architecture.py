@@ -69,6 +69,7 @@ LAYERS = [
         [
             ("miles/config.py", "one dataclass per component -> RunConfig"),
             ("miles/config_overrides.py", "section.field=value, typed"),
+            ("miles/async_config.py", "async: max_staleness, partial rollouts"),
             ("miles/data/config.py", "data and eval configs"),
             ("miles/envs/config.py", "environment config"),
             ("miles/data/verify.py", "math / countdown verifiers"),

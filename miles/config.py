@@ -13,8 +13,14 @@ import logging
 from dataclasses import dataclass, field
 from typing import Literal
 
-from miles.config_check import check, require_finite
-from miles.config_overrides import apply_overrides, apply_values, build  # noqa: F401 (re-exported for callers)
+from miles.async_config import AsyncConfig, check_async
+from miles.config_check import check, require_finite, user_name
+from miles.config_overrides import (  # noqa: F401 (apply_overrides, apply_values re-exported for callers)
+    apply_overrides,
+    apply_values,
+    build,
+    user_dict,
+)
 from miles.data.config import DataConfig, EvalConfig, check_run
 from miles.envs.config import EnvConfig
 from miles.model.config import ModelConfig
@@ -105,10 +111,12 @@ class TrainerConfig:
     loss_norm_tokens: int = 0  # seq-mean-token-sum-norm's constant per sequence; 0 = rollout.max_new_tokens
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"  # per-token estimate of KL(policy || reference)
     kl_in: Literal["loss", "reward"] = "loss"  # KL as a loss term, or as a per-token reward penalty (reward-to-go)
-    # importance correction with the engine's log-probs: tis = weight min(p_train/p_engine, cap) on each token's
-    # loss; mis = mask tokens whose ratio leaves [1/cap, cap]
-    rollout_correction: Literal["none", "tis", "mis"] = "none"
-    rollout_correction_cap: float = 2.0  # the ratio cap of tis / mis
+    # importance correction with the engine's (behaviour) log-probs, w = p_train/p_engine per token (p_train: the
+    # proximal policy, the trainer's before the step's update): tis = weight min(w, cap) on each token's loss;
+    # mis = mask tokens whose w leaves [1/cap, cap]; decoupled = decoupled PPO (AReaL): weight w, tokens with
+    # w > cap weigh 0; seq-mis = mask whole sequences whose geometric-mean w leaves [1/cap, cap]
+    rollout_correction: Literal["none", "tis", "mis", "decoupled", "seq-mis"] = "none"
+    rollout_correction_cap: float = 2.0  # the ratio cap of tis / mis / decoupled / seq-mis
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"  # after warmup, per RL step
     lr_warmup_steps: int = 0  # RL steps of linear warmup from lr / lr_warmup_steps
     lr_decay_steps: int = 0  # the decay reaches lr * lr_min_ratio at this RL step; 0 = num_steps
@@ -327,13 +335,15 @@ class RunConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)  # held-out eval of data.eval
     env: EnvConfig = field(default_factory=EnvConfig)  # multi-turn environments (tool use) driving the episodes
     log: LogConfig = field(default_factory=LogConfig)  # experiment trackers
+    # generation ahead of training by at most max_staleness versions; written `async` (miles.async_config)
+    async_: AsyncConfig = field(default_factory=AsyncConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)  # a Ray cluster to join, and where actors go on it
 
     def __post_init__(self):
         require_finite("", self)
         for f in dataclasses.fields(self):  # every section, those without a check of their own too
             if dataclasses.is_dataclass(section := getattr(self, f.name)):
-                require_finite(f.name, section)
+                require_finite(user_name(f.name), section)
         check("seed", self.seed, ge=0, lt=2**32, fix="any integer in [0, 2**32)")
         # torch takes any count and crashes later (10**6 threads: a segfault); 4096 is above any one machine's
         # hardware threads
@@ -360,6 +370,7 @@ class RunConfig:
         if self.trainer.backend == "megatron" and self.device == "cpu":
             raise ValueError("trainer.backend = 'megatron' needs a GPU; use device=cuda or trainer.backend=torch")
         check_objective(self)
+        check_async(self)
         check_true_on_policy(self)
         from miles.sglang_flags import check_sglang
 
@@ -396,7 +407,7 @@ class RunConfig:
             )
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        return user_dict(dataclasses.asdict(self))
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import keyword
 import math
 import operator
 
@@ -44,7 +45,7 @@ def require_finite(section: str, cfg) -> None:
         items = value if isinstance(value, tuple) else (value,)
         default = f.default if f.default is not dataclasses.MISSING else None
         hint = f" (the default is {_show(default)})" if default is not None else ""
-        path = f"{section}.{f.name}" if section else f.name
+        path = f"{section}.{user_name(f.name)}" if section else user_name(f.name)
         if any(isinstance(x, float) and not math.isfinite(x) for x in items):
             raise ValueError(f"{path} = {_show(value)} is not a finite number; set a finite value{hint}")
         if any(isinstance(x, int) and not -INT_LIMIT <= x < INT_LIMIT for x in items):
@@ -67,3 +68,9 @@ def did_you_mean(word, choices, *, sep: str = "; ") -> str:
     scored = sorted(((difflib.SequenceMatcher(None, word, str(c)).ratio(), str(c)) for c in choices), reverse=True)
     close = [c for r, c in scored if r >= max(0.6, scored[0][0] - 0.1)][:3] if scored else []
     return f"{sep}did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+
+
+def user_name(name: str) -> str:
+    """A field named after a Python keyword has a trailing underscore in Python (``cfg.async_``) and none where a
+    user writes it (``--set async.max_staleness=2``, a config file's ``[async]``, config.json)."""
+    return name[:-1] if name.endswith("_") and keyword.iskeyword(name[:-1]) else name

@@ -22,6 +22,8 @@ import tokenize
 import typing
 from typing import Literal
 
+from miles.config_check import user_name
+
 KEY_COLUMN = 36  # `key = value` is padded to this width before its comment, when it fits
 
 
@@ -83,7 +85,7 @@ def config_toml(cfg, header: str = "") -> str:
     out += _block(cfg, values)
     for name in sections:
         doc = field_docs(type(cfg)).get(name, "")
-        out += ["", f"[{name}]" + (f"  # {doc}" if doc else "")]
+        out += ["", f"[{user_name(name)}]" + (f"  # {doc}" if doc else "")]
         out += _block(getattr(cfg, name), [f.name for f in dataclasses.fields(getattr(cfg, name))])
     return "\n".join(out) + "\n"
 

@@ -11,18 +11,25 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import keyword
 import types
 import typing
 from typing import Literal
 
-from miles.config_check import did_you_mean
+from miles.config_check import did_you_mean, user_name
+
+
+def user_dict(d: dict) -> dict:
+    """``dataclasses.asdict`` of a config, its keys as users write them (``user_name``)."""
+    return {user_name(k): user_dict(v) if isinstance(v, dict) else v for k, v in d.items()}
 
 
 @functools.cache
 def field_types(cls) -> dict:
-    """{field name: its type} of the config dataclass ``cls`` (resolved once: get_type_hints is slow)."""
+    """{field name as users write it: its type} of the config dataclass ``cls`` (resolved once: get_type_hints is
+    slow)."""
     hints = typing.get_type_hints(cls)
-    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+    return {user_name(f.name): hints[f.name] for f in dataclasses.fields(cls)}
 
 
 def build(cls, d: dict, prefix: str = ""):
@@ -37,7 +44,8 @@ def build(cls, d: dict, prefix: str = ""):
             hint = did_you_mean(k, names)
             raise ValueError(f"unknown config field {prefix + k!r}{hint} (valid fields: {sorted(names)})")
         t = hints[k]
-        kw[k] = build(t, v, f"{prefix}{k}.") if dataclasses.is_dataclass(t) else coerce(v, t, prefix + k)
+        py = k + "_" if keyword.iskeyword(k) else k  # the Python attribute (user_name)
+        kw[py] = build(t, v, f"{prefix}{k}.") if dataclasses.is_dataclass(t) else coerce(v, t, prefix + k)
     return cls(**kw)
 
 

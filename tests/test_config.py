@@ -173,8 +173,11 @@ def _numeric_fields():
     import dataclasses
     import typing
 
+    from miles.config_check import user_name
+
     hints = typing.get_type_hints(RunConfig)
     for name, tp in hints.items():
+        name = user_name(name)  # async_ is written async
         sections = [(name + ".", tp)] if dataclasses.is_dataclass(tp) else []
         if tp in (int, float):
             yield name, tp

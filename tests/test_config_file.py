@@ -12,6 +12,7 @@ import typing
 import pytest
 
 from miles.config import RunConfig, apply_overrides
+from miles.config_check import user_name
 from miles.config_doc import config_toml, field_docs
 from miles.config_file import load_run_config
 from miles.recipes import get_recipe, quickstart
@@ -21,9 +22,9 @@ def every_field(cls=RunConfig, prefix=""):
     """(dataclass, field name, dotted path) of every field, sections included."""
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
-        yield cls, f.name, prefix + f.name
+        yield cls, f.name, prefix + user_name(f.name)  # async_ is written async
         if dataclasses.is_dataclass(hints[f.name]):
-            yield from every_field(hints[f.name], f"{prefix}{f.name}.")
+            yield from every_field(hints[f.name], f"{prefix}{user_name(f.name)}.")
 
 
 def test_every_config_field_has_a_one_line_meaning_beside_it():

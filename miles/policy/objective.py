@@ -14,7 +14,8 @@ ESTIMATORS = ("grpo", "drgrpo", "rloo", "reinforce++", "reinforce++-baseline")
 GROUP_ESTIMATORS = ("grpo", "drgrpo", "rloo", "reinforce++-baseline")  # need n_samples_per_prompt >= 2
 LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_ESTIMATORS = ("k1", "k2", "k3")
-CORRECTIONS = ("none", "tis", "mis")
+CORRECTIONS = ("none", "tis", "mis", "decoupled", "seq-mis")
+WEIGHTED_CORRECTIONS = ("tis", "decoupled")  # the corrections that weigh each token's loss (the others mask)
 LR_SCHEDULES = ("constant", "linear", "cosine")
 
 

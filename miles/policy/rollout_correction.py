@@ -1,13 +1,23 @@
 """The train/inference mismatch: how far the engine's log-probs are from the trainer's, and corrections for it.
 
 The engine samples with its own kernels (and maybe another precision), so its log-probs differ from the trainer's
-for the same weights. The honest measure compares the engine with the trainer *before* any optimizer step of the
-step (after one, the difference measures the update). TIS truncates the importance weight
-p_trainer / p_engine at a cap and multiplies it into the policy-gradient loss; MIS masks the tokens whose weight
-leaves [1 / cap, cap] instead (both detached: they reweight, they are not differentiated).
+for the same weights; with async training (miles.async_config) the samples also come from older weights. The honest
+measure compares the engine with the trainer *before* any optimizer step of the step (after one, the difference
+measures the update). The weight w = p_trainer / p_engine of each token (the proximal over the behaviour policy) is
+detached: it reweights or masks, it is not differentiated.
+
+- ``tis``: w truncated at the cap multiplies each token's policy-gradient loss.
+- ``mis``: tokens whose w leaves [1 / cap, cap] are masked out (weight 1 for the rest).
+- ``decoupled``: decoupled PPO (Hilton et al. 2021; AReaL's ``use_decoupled_loss`` with ``behav_imp_weight_cap``):
+  the clipped ratio is taken against the proximal policy (the trainer's log-probs, as always here) and w multiplies
+  the loss, except that tokens whose w exceeds the cap weigh 0 (they stay in the loss's token count).
+- ``seq-mis``: a sequence-level mask: a sequence whose geometric-mean w, exp(mean log w), leaves [1 / cap, cap] is
+  masked out whole (a stale answer is judged as one decision, not token by token).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -53,4 +63,15 @@ def correction_weights(trainer_log_probs, engine_log_probs, mask, kind: str = "n
     if kind == "mis":
         keep = ((ratio >= 1.0 / cap) & (ratio <= cap)).to(mask.dtype)
         return torch.ones_like(mask), mask * keep, {"rollout_is/masked_frac": masked_mean(1 - keep, mask).item()}
+    if kind == "decoupled":
+        over = ratio > cap
+        weights = torch.where(over, torch.zeros_like(ratio), ratio)
+        return weights, mask, {"rollout_is/masked_frac": masked_mean(over.to(mask.dtype), mask).item()}
+    if kind == "seq-mis":
+        n = mask.sum(-1)
+        log_w = ((trainer_log_probs - engine_log_probs).detach() * mask).sum(-1) / n.clamp_min(1.0)
+        keep = ((log_w >= -math.log(cap)) & (log_w <= math.log(cap))).to(mask.dtype)
+        rows = (n > 0).to(mask.dtype)
+        frac = ((1 - keep) * rows).sum() / rows.sum().clamp_min(1.0)
+        return torch.ones_like(mask), mask * keep[:, None], {"rollout_is/seq_masked_frac": frac.item()}
     raise ValueError(f"rollout correction {kind!r} is not one of {list(CORRECTIONS)}")

@@ -23,6 +23,7 @@ from miles.model.kernels import kernels_for
 from miles.policy.kl import kl_estimate, kl_penalised_advantages
 from miles.policy.logprob import log_probs_and_entropy
 from miles.policy.loss import masked_mean, policy_loss
+from miles.policy.objective import WEIGHTED_CORRECTIONS
 from miles.policy.rollout_correction import correction_weights, first_mismatch, mismatch_metrics
 from miles.policy.schedule import lr_at
 from miles.samples import TrainBatch
@@ -211,7 +212,7 @@ class TorchBackend:
             kl_estimator=c.kl_estimator,
             entropy=ent,
             entropy_coef=c.entropy_coef,
-            is_weights=weights if c.rollout_correction == "tis" else None,
+            is_weights=weights if c.rollout_correction in WEIGHTED_CORRECTIONS else None,
         )
         out.metrics.update(extra)
         return out, old_lp

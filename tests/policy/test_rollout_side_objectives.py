@@ -37,6 +37,27 @@ def test_mis_masks_tokens_whose_ratio_leaves_the_band():
     assert metrics["rollout_is/masked_frac"] == pytest.approx(0.5)
 
 
+def test_decoupled_ppo_weighs_by_the_behaviour_ratio_and_zeroes_tokens_over_the_cap():
+    trainer = torch.tensor([[math.log(0.6), math.log(0.1), math.log(0.3), 0.0]])
+    engine = torch.tensor([[math.log(0.2), math.log(0.2), math.log(0.3), 0.0]])  # ratios 3, 0.5, 1; a pad
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    w, m, metrics = correction_weights(trainer, engine, mask, "decoupled", cap=2.0)
+    # AReaL's behav_imp_weight with behav_imp_weight_cap: the weight, 0 above the cap, the token still counted
+    assert w.tolist()[0][:3] == pytest.approx([0.0, 0.5, 1.0]) and torch.equal(m, mask)
+    assert metrics["rollout_is/masked_frac"] == pytest.approx(1 / 3)
+
+
+def test_the_sequence_mask_drops_whole_sequences_by_their_geometric_mean_ratio():
+    log2 = math.log(2.0)
+    trainer = torch.tensor([[log2, -log2, 0.0], [3 * log2, 0.0, 0.0], [-3 * log2, 0.0, 0.0]])
+    engine = torch.zeros(3, 3)
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    # geometric means: 1 (2 then 1/2), 2 (8 over 3 tokens: exactly the cap, kept), 1/8 (dropped)
+    w, m, metrics = correction_weights(trainer, engine, mask, "seq-mis", cap=2.0)
+    assert m.tolist() == [[1.0, 1.0, 0.0], [1.0, 1.0, 1.0], [0.0, 0.0, 0.0]] and torch.equal(w, torch.ones(3, 3))
+    assert metrics["rollout_is/seq_masked_frac"] == pytest.approx(1 / 3)
+
+
 def test_no_correction_leaves_weights_and_mask_alone():
     mask = torch.tensor([[1.0, 0.0]])
     w, m, metrics = correction_weights(torch.zeros(1, 2), torch.ones(1, 2), mask, "none")

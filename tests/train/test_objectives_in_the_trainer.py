@@ -49,13 +49,14 @@ def test_the_mismatch_metric_is_taken_before_any_update_of_the_step(tiny_model_c
     assert moved > 1e-3
 
 
-def test_tis_and_mis_equal_the_plain_loss_when_engine_and_trainer_agree(tiny_model_cfg):
+def test_every_correction_equals_the_plain_loss_when_engine_and_trainer_agree(tiny_model_cfg):
     results = {}
-    for kind in ("none", "tis", "mis"):
+    kinds = ("tis", "mis", "decoupled", "seq-mis")
+    for kind in ("none", *kinds):
         b = TorchBackend(tiny_model_cfg, TrainerConfig(lr=1e-2, rollout_correction=kind))
         b.train_step(_on_policy_batch(b))
         results[kind] = dict(b.named_weights())
-    for kind in ("tis", "mis"):
+    for kind in kinds:
         assert all(torch.allclose(results["none"][k], v, atol=1e-6) for k, v in results[kind].items())
 
 
@@ -66,6 +67,22 @@ def test_tis_damps_the_update_of_tokens_the_engine_made_unlikely(tiny_model_cfg)
     m = b.train_step(batch)
     assert m["train_rollout_logprob_abs_diff"] == pytest.approx(5.0, abs=1e-4)
     assert m["rollout_is/clipped_frac"] == 0.0  # ratios exp(-5) < cap: weighted, not clipped
+
+
+def test_decoupled_ppo_drops_the_tokens_a_stale_engine_made_far_less_likely(tiny_model_cfg):
+    b = TorchBackend(tiny_model_cfg, TrainerConfig(rollout_correction="decoupled", rollout_correction_cap=2.0))
+    batch = _on_policy_batch(b)
+    batch.rollout_log_probs = batch.rollout_log_probs - 3.0 * batch.loss_mask  # behaviour weight e^3 > cap
+    m = b.train_step(batch)
+    assert m["rollout_is/masked_frac"] == 1.0 and m["pg_loss"] == 0.0
+
+
+def test_the_sequence_mask_drops_every_sequence_beyond_the_band(tiny_model_cfg):
+    b = TorchBackend(tiny_model_cfg, TrainerConfig(rollout_correction="seq-mis"))
+    batch = _on_policy_batch(b)
+    batch.rollout_log_probs = batch.rollout_log_probs + 1.0 * batch.loss_mask  # geometric mean e^-1 < 1/2
+    m = b.train_step(batch)
+    assert m["rollout_is/seq_masked_frac"] == 1.0 and m["pg_loss"] == 0.0
 
 
 def test_mis_masks_every_token_beyond_the_band(tiny_model_cfg):

@@ -1,0 +1,50 @@
+"""The async section: written ``async`` everywhere a user writes it, and refused with the fix where it cannot run
+(stale samples without an off-policy correction, memory handed between the sides, per-token versions an engine
+does not report)."""
+
+import json
+
+import pytest
+
+from miles.config import RunConfig, apply_overrides
+from miles.config_doc import config_toml
+from miles.recipes import quickstart
+
+RESIDENT = ["handoff.offload_train=none", "handoff.offload_rollout=false"]
+
+
+def test_the_section_is_written_async_in_overrides_config_json_and_toml():
+    cfg = apply_overrides(quickstart(), ["async.max_staleness=2", "trainer.rollout_correction=decoupled", *RESIDENT])
+    assert cfg.async_.max_staleness == 2
+    d = json.loads(cfg.to_json())
+    assert d["async"]["max_staleness"] == 2 and "async_" not in d
+    assert RunConfig.from_dict(d) == cfg
+    assert "\n[async]" in config_toml(cfg) and "[async_]" not in config_toml(cfg)
+
+
+def test_staleness_zero_is_the_default_and_needs_nothing():
+    cfg = quickstart()
+    assert cfg.async_.max_staleness == 0 and cfg.handoff.offload_train == "host"
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["async.max_staleness=1", *RESIDENT], "set trainer.rollout_correction=decoupled (or tis, mis, seq-mis)"),
+        (["async.max_staleness=1", "trainer.rollout_correction=tis"], "set handoff.offload_train=none and"),
+        (
+            ["async.max_staleness=1", "trainer.rollout_correction=tis", "async.partial_rollout=true", *RESIDENT]
+            + ["rollout.engine=http"],
+            "use rollout.engine=embedded or async.partial_rollout=false",
+        ),
+        (["async.max_staleness=-1"], "async.max_staleness = -1 must be >= 0"),
+    ],
+)
+def test_what_async_cannot_do_is_refused_with_the_fix(overrides, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        apply_overrides(quickstart(), overrides)
+
+
+def test_training_without_a_correction_is_allowed_when_asked_for():
+    cfg = apply_overrides(quickstart(), ["async.max_staleness=1", "async.allow_uncorrected=true", *RESIDENT])
+    assert cfg.trainer.rollout_correction == "none"
