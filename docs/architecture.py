@@ -19,7 +19,13 @@ LAYERS = [
             ("miles/dashboard/", "reads run directories: web server, static page"),
         ],
     ),
-    ("the loop", [("miles/driver.py", "generate -> handoff -> train -> handoff+sync -> record")]),
+    (
+        "the loop",
+        [
+            ("miles/driver.py", "generate -> handoff -> train -> handoff+sync -> record"),
+            ("miles/rollout_window.py", "rollouts in flight, up to async.max_staleness steps ahead"),
+        ],
+    ),
     (
         "orchestration",
         [

@@ -262,10 +262,22 @@ class Cluster(PlanExecutor):
 
     def generate(self, step: int):
         """The rollout of RL step ``step`` (batches, metrics); the dataset's position after it is kept."""
-        self.watchdog.phase("generate", step)
-        out = self.get(self.rollout.generate.remote(step))
+        return self.collect(self.submit_generate(step), step)
+
+    def submit_generate(self, step: int):
+        """Start the rollout of RL step ``step`` on the rollout actor; ``collect`` waits for it (async runs start
+        several ahead: miles.rollout_window)."""
+        return self.rollout.generate.remote(step)
+
+    def collect(self, pending, step: int, untrained: int | None = None):
+        """The rollout ``submit_generate(step)`` started: (batches, metrics). ``untrained``: the oldest step not yet
+        trained (default ``step``), where a checkpoint after a stall in this wait resumes."""
+        self.watchdog.phase("generate", step if untrained is None else untrained)
+        out = self.get(pending)
         if self.cfg.data.train:  # a checkpoint after a stall on the rollout side is written without the rollout
-            self.data_states = {step + 1: self.get(self.rollout.data_state.remote(step + 1))}
+            self.data_states[step + 1] = self.get(self.rollout.data_state.remote(step + 1))
+            for old in [t for t in self.data_states if t < step - self.cfg.async_.max_staleness]:
+                del self.data_states[old]  # an async run's untrained steps are at most max_staleness behind
         return out
 
     def evaluate(self, step: int) -> dict[str, float]:
@@ -276,9 +288,10 @@ class Cluster(PlanExecutor):
         """The reference answers of supervised warm-up step ``i``, one TrainBatch per rank."""
         return self.get(self.rollout.sft_batches.remote(i))
 
-    def sample_rows(self, train_log_probs: dict) -> list[dict]:
-        """The last rollout's samples as rollout-dump rows (miles.rollout_dump), with the trainer's log-probs."""
-        return self.get(self.rollout.sample_rows.remote(train_log_probs))
+    def sample_rows(self, train_log_probs: dict, step: int | None = None) -> list[dict]:
+        """Step ``step``'s samples (None: the last rollout's) as rollout-dump rows (miles.rollout_dump), with the
+        trainer's log-probs."""
+        return self.get(self.rollout.sample_rows.remote(train_log_probs, step))
 
     def abort(self, side: str) -> None:
         """The watchdog's stop: kill the stuck side's processes and everything they started (engine and agent

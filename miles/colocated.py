@@ -88,14 +88,22 @@ class Colocated(PlanExecutor):
         self._drain()  # the rollout's own events: in no plan step's record
         return out
 
+    def submit_generate(self, step: int):
+        """In one process the rollout runs at once (miles.rollout_window: the same versions as on a cluster, no
+        overlap with training); ``collect`` hands it back."""
+        return self.generate(step)
+
+    def collect(self, pending, step: int, untrained: int | None = None):
+        return pending
+
     def evaluate(self, step: int) -> dict[str, float]:
         return self.manager.evaluate(step)
 
     def sft_batches(self, i: int) -> list:
         return self.manager.sft_batches(i)
 
-    def sample_rows(self, train_log_probs: dict) -> list[dict]:
-        return self.manager.sample_rows(train_log_probs)
+    def sample_rows(self, train_log_probs: dict, step: int | None = None) -> list[dict]:
+        return self.manager.sample_rows(train_log_probs, step)
 
     def drain_ledgers(self):
         """The ledger's events and process samples since the last call (those in step records included)."""

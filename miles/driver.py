@@ -19,6 +19,7 @@ from miles.handoff.planner import resolve_plan
 from miles.memory.ledger import pool_peaks
 from miles.rollout.tasks import RewardError
 from miles.rollout_dump import RolloutDumpWriter
+from miles.rollout_window import RolloutWindow
 from miles.run_dir import RunDir
 from miles.stall.watchdog import StallError
 from miles.trackers import Trackers
@@ -54,6 +55,7 @@ def train(
                 book.ledger(-1, c.execute(plan.init, version=start, phase="init", built=book.resume, warm_up=warm_up))
                 if c.placement is not None:  # where each actor runs (miles.cluster_nodes); none in one process
                     run.append_placement(start, c.placement.rows())
+                window = RolloutWindow(c, cfg, start)  # rollouts up to async.max_staleness steps ahead (0: none)
                 with StopOnCtrlC(stop) as stop:  # the first Ctrl-C ends the loop at a step boundary, saved
                     for step in book.progress(range(start, cfg.num_steps), progress):
                         if stop.is_set():
@@ -62,9 +64,10 @@ def train(
                             break
                         book.evaluate(step)
                         t0 = time.perf_counter()
-                        batches, rollout = book.generate(step)
+                        batches, rollout = book.generate(window, step)
                         moved = c.execute(plan.rollout_to_train, phase="rollout_to_train")
                         results = c.trainer.train(batches, want_log_probs=cfg.dump_rollouts, step=step)
+                        window.before_sync()  # no rollout generates across a sync
                         moved |= c.execute(plan.train_to_rollout, version=step + 1, phase="train_to_rollout")
                         book.record(step, rollout, results, moved, time.perf_counter() - t0)
                     else:
@@ -128,9 +131,9 @@ class Bookkeeper:
         self.run_dir.begin(next_step, self.cfg.to_json(), resumed=self.found is not None)
         self.rows = [r for r in self.run_dir.metrics() if "phase" not in r]  # RL rows (not sft or eval)
 
-    def generate(self, step: int):
+    def generate(self, window: RolloutWindow, step: int):
         try:
-            return self.c.generate(step)
+            return window.take(step)
         except Exception as e:
             cause = _root_cause(e)
             if isinstance(cause, RewardError):
@@ -190,7 +193,7 @@ class Bookkeeper:
         return out
 
     def dump(self, step: int, train_log_probs: dict) -> None:
-        rows = self.c.sample_rows(train_log_probs)
+        rows = self.c.sample_rows(train_log_probs, step)
         try:
             RolloutDumpWriter(run_dir=self.run_dir.path).write_step(step, rows)
         except OSError as e:  # the dashboard's copy, not the run: training goes on

@@ -12,6 +12,7 @@ rollouts/step_000012/
   train_log_probs.float32
   advantages.float32
   entropy.float32
+  weight_versions.int32     the weight version each token was sampled under (-1: prompt tokens, or not known)
   token_text_len.uint32     display length of each token's text in UTF-16 code units (what JS slices by)
   token_text.utf8           every token's display text, concatenated (sample i: token_text_bytes at token_text_start)
   text.utf8                 prompt_text and response_text of every sample (byte ranges in index.json)
@@ -39,6 +40,7 @@ FLOAT_COLUMNS = ("rollout_log_probs", "train_log_probs", "advantages", "entropy"
 COLUMNS = {
     "tokens": "int32",
     **dict.fromkeys(FLOAT_COLUMNS, "float32"),
+    "weight_versions": "int32",
     "token_text_len": "uint32",
     "loss_mask": "uint8",
 }
@@ -51,6 +53,7 @@ PER_SAMPLE_KEYS = {
     "prompt_text",
     "response_text",
     *FLOAT_COLUMNS,
+    "weight_versions",
     "row",
     "num_tokens",
     "response_len",
@@ -160,6 +163,10 @@ class RolloutDumpWriter:
         for name in FLOAT_COLUMNS:
             values = sample.get(name)
             columns[name] = np.full(n, np.nan) if values is None else _full_length(name, values, n, prompt_len, np.nan)
+        versions = sample.get("weight_versions")
+        columns["weight_versions"] = (
+            np.full(n, -1) if versions is None else _full_length("weight_versions", versions, n, prompt_len, -1)
+        )
         mask = sample.get("loss_mask")
         columns["loss_mask"] = (
             (np.arange(n) >= prompt_len) if mask is None else _full_length("loss_mask", mask, n, prompt_len, 0)

@@ -33,9 +33,8 @@ def test_staleness_zero_is_the_default_and_needs_nothing():
         (["async.max_staleness=1", *RESIDENT], "set trainer.rollout_correction=decoupled (or tis, mis, seq-mis)"),
         (["async.max_staleness=1", "trainer.rollout_correction=tis"], "set handoff.offload_train=none and"),
         (
-            ["async.max_staleness=1", "trainer.rollout_correction=tis", "async.partial_rollout=true", *RESIDENT]
-            + ["rollout.engine=http"],
-            "use rollout.engine=embedded or async.partial_rollout=false",
+            ["async.max_staleness=1", "trainer.rollout_correction=tis", "async.partial_rollout=true", *RESIDENT],
+            "set async.partial_rollout=false",
         ),
         (["async.max_staleness=-1"], "async.max_staleness = -1 must be >= 0"),
     ],

@@ -237,6 +237,9 @@ def _pad8(n: int) -> int:
 def _stream(prefix: bytes, ranges: list[tuple[Path, int, int]]) -> Iterator[bytes]:
     yield prefix
     for path, start, size in ranges:
+        if path.name == "weight_versions.int32" and not path.exists():  # a dump from before per-token versions
+            yield np.full(size // 4, -1, dtype=np.int32).tobytes() + b"\0" * (-size % 8)
+            continue
         with open(path, "rb") as f:
             f.seek(start)
             left = size

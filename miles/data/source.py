@@ -15,6 +15,7 @@ import time
 
 from miles.data.config import DataConfig
 from miles.data.dataset import BadRowError, PromptDataset, PromptRow, load_split
+from miles.policy.dapo import step_of_round
 from miles.protocols.engine import GenerateRequest, SamplingParams, token_versions
 from miles.protocols.reward import Reward, RewardError
 from miles.reward.catalog import BUILTIN, reward_for
@@ -94,6 +95,7 @@ class DatasetSource:
         self.verifiers = Verifiers(cfg.data.reward)
         self.scorer = scorer_for(cfg, pool)
         self._step, self._state_before = None, self.dataset.state_dict()
+        self._after: dict[int, dict] = {}  # RL step -> the position once its prompts were drawn (all its rounds)
 
     def prompts(self, step: int, *, with_targets: bool = False) -> list[Sample]:
         """The step's rows as Samples, each repeated n_samples_per_prompt times (with targets: SFT, all distinct,
@@ -107,6 +109,9 @@ class DatasetSource:
             if step != self._step:
                 self._step, self._state_before = step, self.dataset.state_dict()
             rows, repeat = self._draw(r.num_prompts_per_step), r.n_samples_per_prompt
+            self._after[step_of_round(step)] = self.dataset.state_dict()
+            for old in [t for t in self._after if t < step_of_round(step) - 64]:
+                del self._after[old]  # an async run reads a few steps back; 64 is plenty
         samples = []
         for g, (row, ids) in enumerate(rows):
             for _ in range(repeat):
@@ -152,13 +157,16 @@ class DatasetSource:
         return set_rewards(samples, self.scorer.score(self.verifiers.jobs(samples), label=f"step_{step:06d}"))
 
     def state_dict(self, next_step: int) -> dict:
-        """The position at the start of RL step ``next_step``: a step drawn but not finished is drawn again."""
-        state = self._state_before if next_step == self._step else self.dataset.state_dict()
+        """The position at the start of RL step ``next_step``: once step ``next_step - 1`` was drawn. A step drawn but
+        not finished, or drawn ahead by an async run (miles.async_config), is drawn again."""
+        state = self._after.get(next_step - 1)
+        if state is None:
+            state = self._state_before if next_step == self._step else self.dataset.state_dict()
         return {**state, "next_step": next_step}
 
     def load_state_dict(self, state: dict) -> None:
         self.dataset.load_state_dict(state)
-        self._step, self._state_before = None, self.dataset.state_dict()
+        self._step, self._state_before, self._after = None, self.dataset.state_dict(), {}
 
     def close(self) -> None:
         pass

@@ -30,6 +30,11 @@ def round_key(step: int, k: int) -> int:
     return step if k == 0 else 20_000_000 + 1_000_000 * k + step
 
 
+def step_of_round(key: int) -> int:
+    """The RL step whose prompts ``key`` (a ``round_key``) draws."""
+    return key if key < 20_000_000 else (key - 20_000_000) % 1_000_000
+
+
 def shape_overlong(samples: list[Sample], max_len: int, buffer_len: int, factor: float, filter_truncated: bool):
     """Soft overlong punishment added to each reward (buffer_len > 0), and truncated responses masked out of the
     loss (filter_truncated). Returns the fraction of responses cut at the budget."""

@@ -31,6 +31,7 @@ from miles.rollout.tail import RoundLog, assign_advantages, rollout_metrics, sha
 from miles.samples import Sample, TrainBatch
 from miles.sglang_flags import STANDIN
 from miles.stall import heartbeat
+from miles.staleness import sample_versions, staleness_metrics
 from miles.threads import init_on_compute_thread, on_compute_thread
 
 
@@ -76,6 +77,7 @@ class RolloutManager(UpdateCalls):
         self.rewards.start(found.reward_calls)  # the workers load the reward while the run starts up
         self.evaluator = None  # built on the first eval (miles.data.eval)
         self.last_samples: list[Sample] = []
+        self.samples_by_step: dict[int, list[Sample]] = {}  # the steps generated and not yet dumped (async: several)
 
     # ---- rollout ------------------------------------------------------------------------------------------
     @on_compute_thread
@@ -91,9 +93,12 @@ class RolloutManager(UpdateCalls):
         else:
             samples, extra = draw(0), {}
         assign_advantages(samples, r.advantage_estimator)
-        self.last_samples = samples
+        self.last_samples = self.samples_by_step[step] = samples
+        for done in [t for t in self.samples_by_step if t < step - self.cfg.async_.max_staleness - 1]:
+            del self.samples_by_step[done]  # the dump of step t is read before step t + max_staleness + 2 starts
         metrics = rollout_metrics(samples) | rounds.metrics() | extra
         metrics |= {"time/rollout": time.perf_counter() - t0, "weight_version": samples[0].weight_version}
+        metrics |= staleness_metrics(step, [sample_versions(s) for s in samples])  # trained at step: version step
         metrics |= engine_health(self.engines)
         return to_shards(samples, self.tokenizer.pad_token_id, self.cfg.trainer.world_size), metrics
 
@@ -133,11 +138,12 @@ class RolloutManager(UpdateCalls):
         samples = self.sft_source.prompts(10_000_000 + step, with_targets=True)
         return to_shards(samples, self.tokenizer.pad_token_id, self.cfg.trainer.world_size)
 
-    def sample_rows(self, train_log_probs: dict[int, list[float]] | None = None) -> list[dict]:
-        """The last step's samples as plain dicts (dumps, dashboards, notebooks)."""
+    def sample_rows(self, train_log_probs: dict[int, list[float]] | None = None, step: int | None = None) -> list[dict]:
+        """The samples of RL step ``step`` (None: the last generated) as plain dicts (dumps, dashboards, notebooks);
+        ``weight_versions``: the version each token was sampled under (-1 on the prompt)."""
         tok = self.tokenizer
         rows = []
-        for s in self.last_samples:
+        for s in self.last_samples if step is None else self.samples_by_step[step]:
             P = len(s.prompt_ids)
             rows.append(
                 {
@@ -155,6 +161,7 @@ class RolloutManager(UpdateCalls):
                     "train_log_probs": _per_token((train_log_probs or {}).get(s.index), len(s.tokens)),
                     "advantages": [0.0] * P + [s.advantage] * len(s.response_ids),
                     "weight_version": s.weight_version,
+                    "weight_versions": [-1] * P + sample_versions(s)[: len(s.response_ids)],
                     "finish_reason": s.finish_reason,
                     **_episode_fields(s.metadata),
                 }
