@@ -54,10 +54,10 @@ def test_the_source_draws_the_seeded_order_and_restores_a_position(tmp_path):
 def test_a_position_saved_while_later_steps_were_drawn_ahead_resumes_at_the_step_after_it(tmp_path):
     """An async run draws steps ahead of training; its checkpoint at step 1 still resumes with step 1's prompts."""
     cfg = small_cfg(tmp_path)
-    m = RolloutManager(cfg, device="cpu")
+    m = RolloutManager(cfg, device="cpu", sources=make_sources)
     ahead = [[s.prompt for s in m.source.prompts(step)] for step in range(3)]  # steps 0, 1, 2 drawn
     m.save_data_state(str(tmp_path), 1)
-    m2 = RolloutManager(cfg, device="cpu")
+    m2 = RolloutManager(cfg, device="cpu", sources=make_sources)
     m2.load_data_state(str(tmp_path))
     assert [s.prompt for s in m2.source.prompts(1)] == ahead[1]
 
