@@ -26,6 +26,7 @@ import argparse
 import hashlib
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -148,7 +149,7 @@ def run(argv: list[str]) -> dict:
             ref = run_arm(args.recipe, seed, common, Path(args.reference), args.ray, args.timeout)
             entry["reference"] = summary(ref)
             entry["staleness_0_vs_reference"] = identical(per[0], ref)
-        if 0 in per and len(arms) > 1:
+        if 0 in per and len(arms) > 1 and "time/step" in per[0]["rows"][0]:
             entry["step_time_ratio"] = {
                 f"staleness_{k}": round(
                     entry[f"staleness_{k}"]["median_step_s"] / entry["staleness_0"]["median_step_s"], 3
@@ -157,4 +158,6 @@ def run(argv: list[str]) -> dict:
                 if k
             }
         out["seeds"][seed] = entry
+        for arm in [*per.values(), *([ref] if args.reference else [])]:
+            shutil.rmtree(arm["run_dir"], ignore_errors=True)
     return out
