@@ -10,7 +10,7 @@ import torch
 from miles.colocated import Colocated
 from miles.config import apply_overrides
 from miles.driver import train
-from miles.planner import resolve_plan
+from miles.handoff.planner import resolve_plan
 from miles.recipes import quickstart
 from miles.rollout_window import RolloutWindow
 
