@@ -30,8 +30,8 @@ from miles.rollout.sglang_client import SGLangClient
 from miles.rollout.tail import RoundLog, assign_advantages, rollout_metrics, shape_overlong_of, to_shards
 from miles.samples import Sample, TrainBatch
 from miles.sglang_flags import STANDIN
-from miles.stall import heartbeat
 from miles.staleness import sample_versions, staleness_metrics
+from miles.stall import heartbeat
 from miles.threads import init_on_compute_thread, on_compute_thread
 
 
