@@ -2,7 +2,8 @@
 file), verified before it is loaded, and moved aside (never loaded, never silently rewritten) when it is broken.
 
 checkpoints/step_000010/
-  model.safetensors    the trainer's weights (safetensors)
+  model.safetensors    the trainer's weights (safetensors); with LoRA instead the adapter in PEFT's format:
+                       adapter_model.safetensors + adapter_config.json (miles.model.peft_format)
   optimizer.pt         the optimizer's state dict (torch.save; loaded with weights_only=True)
   state.json           {"next_step": 10, "files": {"model.safetensors": {"bytes": ..., "xxh3_64": "..."}, ...}}
 """
@@ -22,6 +23,7 @@ from miles.atomic import atomic_directory, atomic_write_text
 
 log = logging.getLogger("miles")
 DATA_FILES = ("model.safetensors", "optimizer.pt")
+ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json", "optimizer.pt")  # a LoRA run's (PEFT format)
 CHECKPOINT_FILES = (*DATA_FILES, "state.json")
 STEP_DIR = re.compile(r"step_(\d+)")
 HASH_CHUNK = 8 << 20
@@ -60,7 +62,8 @@ class Checkpoints:
         return sorted(found, reverse=True)
 
     def save(self, next_step: int, write_files) -> Path:
-        """``write_files(tmp_dir)`` writes model.safetensors and optimizer.pt; published only when complete."""
+        """``write_files(tmp_dir)`` writes model.safetensors (or a LoRA adapter's files) and optimizer.pt; published
+        only when complete."""
         final = self.root / step_dir_name(next_step)
         if final.exists():
             problem = checkpoint_problem(final)
@@ -69,10 +72,11 @@ class Checkpoints:
             self.move_aside(final, problem)
         with atomic_directory(final) as tmp:
             write_files(str(tmp))
-            missing = [f for f in DATA_FILES if not (tmp / f).is_file()]
+            files = data_files(tmp)
+            missing = [f for f in files if not (tmp / f).is_file()]
             if missing:
                 raise RuntimeError(f"checkpoint step {next_step} is missing {missing}; not publishing it")
-            manifest = {"next_step": next_step, "files": {f: file_digest(tmp / f) for f in DATA_FILES}}
+            manifest = {"next_step": next_step, "files": {f: file_digest(tmp / f) for f in files}}
             atomic_write_text(tmp / "state.json", json.dumps(manifest, indent=1))
         return final
 
@@ -108,7 +112,7 @@ class Checkpoints:
 def checkpoint_problem(d: Path) -> str:
     """Why ``d`` must not be loaded ("" when it verifies): a missing file, or a size or checksum that differs from
     its manifest. Checkpoints written before manifests existed get a structural check of each file."""
-    missing = [f for f in CHECKPOINT_FILES if not (d / f).is_file()]
+    missing = [f for f in (*data_files(d), "state.json") if not (d / f).is_file()]
     if missing:
         return f"missing {missing} (half-written or copied by hand)"
     try:
@@ -119,7 +123,7 @@ def checkpoint_problem(d: Path) -> str:
     files = state.get("files")
     if not isinstance(files, dict):
         return _legacy_problem(d)
-    for name in DATA_FILES:
+    for name in data_files(d):
         want = files.get(name)
         if not isinstance(want, dict):
             return f"state.json lists no size and checksum for {name}"
@@ -129,6 +133,11 @@ def checkpoint_problem(d: Path) -> str:
         if file_digest(d / name)["xxh3_64"] != want.get("xxh3_64"):
             return f"{name} does not match its xxh3_64 checksum {want.get('xxh3_64')}"
     return ""
+
+
+def data_files(d: Path) -> tuple[str, ...]:
+    """The files a checkpoint holds besides state.json: a LoRA adapter's when its weights file is there."""
+    return ADAPTER_FILES if (d / ADAPTER_FILES[0]).is_file() else DATA_FILES
 
 
 def _legacy_problem(d: Path) -> str:

@@ -24,6 +24,7 @@ from miles.config_overrides import (  # noqa: F401 (apply_overrides, apply_value
 from miles.data.config import DataConfig, EvalConfig, check_run
 from miles.envs.config import EnvConfig
 from miles.model.config import ModelConfig
+from miles.model.lora_config import check_run as check_lora_run
 from miles.placement import ClusterConfig, check_cluster
 from miles.policy.objective import check_objective, check_rollout, check_trainer
 from miles.trackers import LogConfig
@@ -372,6 +373,7 @@ class RunConfig:
         check_objective(self)
         check_async(self)
         check_true_on_policy(self)
+        check_lora_run(self)  # what LoRA cannot run with (miles.model.lora_config)
         from miles.sglang_flags import check_sglang
 
         check_sglang(self)  # what SGLang servers cannot do with this config, refused with the fix

@@ -79,15 +79,20 @@ def toml_value(v) -> str:
 def config_toml(cfg, header: str = "") -> str:
     """The config as a commented TOML file: top-level fields first, then one table per section."""
     out = [f"# {line}" for line in header.splitlines()]
+    return "\n".join(out + _section(cfg, "")) + "\n"
+
+
+def _section(obj, path: str) -> list[str]:
+    """``obj``'s plain fields, then a ``[path.name]`` table for each section in it (model.lora in model)."""
     values, sections = [], []
-    for f in dataclasses.fields(cfg):
-        (sections if dataclasses.is_dataclass(getattr(cfg, f.name)) else values).append(f.name)
-    out += _block(cfg, values)
+    for f in dataclasses.fields(obj):
+        (sections if dataclasses.is_dataclass(getattr(obj, f.name)) else values).append(f.name)
+    out = _block(obj, values)
     for name in sections:
-        doc = field_docs(type(cfg)).get(name, "")
-        out += ["", f"[{user_name(name)}]" + (f"  # {doc}" if doc else "")]
-        out += _block(getattr(cfg, name), [f.name for f in dataclasses.fields(getattr(cfg, name))])
-    return "\n".join(out) + "\n"
+        doc = field_docs(type(obj)).get(name, "")
+        out += ["", f"[{path}{user_name(name)}]" + (f"  # {doc}" if doc else "")]
+        out += _section(getattr(obj, name), f"{path}{user_name(name)}.")
+    return out
 
 
 def _block(obj, names: list[str]) -> list[str]:

@@ -166,7 +166,7 @@ def _checkpoint_model(before, model: dict, keys: set[str], repeats_are_choices: 
     checkpoint, the values set here held against it."""
     from miles.model.from_checkpoint import run_model_section
 
-    names = [k.removeprefix("model.") for k in keys if k.startswith("model.")]
+    names = {k.removeprefix("model.").split(".")[0] for k in keys if k.startswith("model.")}  # model.lora.rank: lora
     return run_model_section(
         model, {k: model[k] for k in names if repeats_are_choices or model[k] != getattr(before, k)}
     )

@@ -39,8 +39,11 @@ def test_print_config_lists_every_field_with_its_value_and_reads_back_as_the_sam
     table = tomllib.loads(text)
     assert table["trainer"]["lr"] == 1e-4 and table["handoff"]["offload_rollout_level"] == ["kv_cache"]
     for *_, path in every_field():
-        section, _, leaf = path.rpartition(".")
-        assert leaf in (table[section] if section else table), path
+        *sections, leaf = path.split(".")
+        node = table
+        for name in sections:  # model.lora.rank: the [model.lora] table inside [model]
+            node = node[name]
+        assert leaf in node, path
     assert "lr = 0.0001" in text and "# learning rate of the RL steps" in text
     assert "[embedded | http | sglang]" in text  # a Literal's choices, where its comment does not name them
     (tmp_path / "run.toml").write_text(text)

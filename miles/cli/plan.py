@@ -148,6 +148,7 @@ def report_dict(report: PlanReport) -> dict:
         "steps": [asdict(s) for s in report.steps],
         "peaks": {"device_per_gpu": report.device_peak, "host_per_node": report.host_peak},
         "handoff_seconds_per_step": report.handoff_seconds,
+        "sync_bytes_per_gpu": report.sync_bytes,
         "budget": {"device_per_gpu": report.device_budget, "host_per_node": report.host_budget},
         "fits": {"device": report.fits_device, "host": report.fits_host},
         "over_budget_steps": [f"{s.phase}: {s.step} ({', '.join(s.over)})" for s in report.steps if s.over],
@@ -180,6 +181,8 @@ def report_table(report: PlanReport) -> str:
     if any(s.transient_device for s in report.steps):
         lines.append("  * includes the step's working set on top of what it holds (the train step's, the sync bucket)")
     lines.append(f"  predicted handoff time: {report.handoff_seconds:.3f} s per RL step (moved bytes over the link)")
+    what = "the LoRA adapters; the base is never sent" if ("engine", "base") in report.sizes.tags else "every weight"
+    lines.append(f"  weight sync: {_fmt(report.sync_bytes)} per GPU per RL step ({what})")
     return "\n".join(lines)
 
 

@@ -124,6 +124,11 @@ class PlanReport:
         return sum(s.seconds for s in moves[len(moves) - per_step :])
 
     @property
+    def sync_bytes(self) -> int:
+        """Bytes one GPU's engines receive per weight sync: their ``weights`` tag (with LoRA, the adapters only)."""
+        return self.sizes.tags[("engine", "weights")].bytes
+
+    @property
     def num_steps(self) -> int:
         return sum(1 for s in self.steps if s.phase == "train")
 
@@ -141,7 +146,7 @@ def _policies(cfg: RunConfig) -> tuple[str, str]:
 
 
 def _decoder_sizes(cfg: RunConfig, cuda_graphs: bool = False) -> Sizes:
-    from miles.model.size import DTYPE_BYTES, decoder_storages, kv_cache_storages
+    from miles.model.size import DTYPE_BYTES, adapter_storages, decoder_storages, kv_cache_storages
     from miles.rollout.cuda_graphs import graph_tag_storages
 
     m, r, t = cfg.model, cfg.rollout, cfg.trainer
@@ -168,8 +173,10 @@ def _decoder_sizes(cfg: RunConfig, cuda_graphs: bool = False) -> Sizes:
     if cuda_graphs:
         graphs = tuple(graph_tag_storages(m, r.max_batch_size)) * r.num_engines
         tags[("engine", "cuda_graph")] = TagSize("engine", "cuda_graph", graphs, "discard")
-    if t.kl_coef:
+    if t.kl_coef and not m.lora.enabled:
         tags[("trainer", "ref")] = TagSize("trainer", "ref", params, train_pol)
+    if m.lora.enabled:  # the base frozen and resident on both sides; adapters (FP32) train, sync and move
+        tags, params = _lora_tags(tags, params, m, r.num_engines, train_pol, eng_pol), tuple(adapter_storages(m))
     act = _activation_bytes(
         cfg,
         m.hidden_size,
@@ -180,18 +187,45 @@ def _decoder_sizes(cfg: RunConfig, cuda_graphs: bool = False) -> Sizes:
         m.vocab_size,
         {"float32": 4}.get(m.dtype, 2),
     )
+    act += lora_activation_bytes(cfg) if m.lora.enabled else 0
     # grads (model dtype) live through the step; on top of them either the activations (forward/backward) or the
     # foreach AdamW's one parameter-sized temporary (sqrt of the second moment) during optimizer.step
     transient = (0 if megatron else sum(params)) + max(act, sum(params))  # Megatron's grads are in its buffer
     n = m.num_parameters
-    fp32_first = 4 * sum(params) // DTYPE_BYTES[m.dtype] if m.dtype != "float32" else 0  # build, then .to(dtype)
-    return Sizes(
-        tags,
-        transient,
-        grads_persist=megatron,
-        build_transient=fp32_first,
-        model={"name": f"embedded {m.architecture}", "parameters": n, "dtype": m.dtype, "exact": t.precision == "bf16"},
-    )  # quantized workspaces of the torch backend are not sized here
+    base = decoder_storages(m)["params"]
+    fp32_first = 4 * sum(base) // DTYPE_BYTES[m.dtype] if m.dtype != "float32" else 0  # build, then .to(dtype)
+    model = {"name": f"embedded {m.architecture}", "parameters": n, "dtype": m.dtype, "exact": t.precision == "bf16"}
+    if m.lora.enabled:
+        model |= {"lora_rank": m.lora.rank, "adapter_parameters": sum(params) // 4}
+    return Sizes(tags, transient, grads_persist=megatron, build_transient=fp32_first, model=model)
+    # quantized workspaces of the torch backend are not sized here
+
+
+def _lora_tags(tags: dict, base: tuple, m, num_engines: int, train_pol: str, eng_pol: str) -> dict:
+    """With LoRA: ``base`` on each side (in no plan step), ``params`` / ``weights`` / ``optimizer`` the adapters'."""
+    from miles.model.size import adapter_storages
+
+    adapters = tuple(adapter_storages(m))
+    return tags | {
+        ("trainer", "base"): TagSize("trainer", "base", base, train_pol),
+        ("trainer", "params"): TagSize("trainer", "params", adapters, train_pol),
+        ("trainer", "optimizer"): TagSize("trainer", "optimizer", adapters * 2, train_pol, lazy=True),
+        ("engine", "base"): TagSize("engine", "base", base * num_engines, "host"),
+        ("engine", "weights"): TagSize("engine", "weights", adapters * num_engines, eng_pol),
+    }
+
+
+def lora_activation_bytes(cfg: RunConfig) -> int:
+    """What LoRA adds to a train step's saved activations (an estimate, as ``_activation_bytes``): each adapted
+    projection keeps its input in FP32 for the adapter's gradient (nothing extra when the model is FP32)."""
+    from miles.model.lora_config import targets
+
+    m, r, t = cfg.model, cfg.rollout, cfg.trainer
+    if m.dtype == "float32":
+        return 0
+    seqs = r.num_prompts_per_step * r.n_samples_per_prompt // t.world_size // t.num_minibatches
+    tokens = seqs * (r.max_seq_len or m.max_position_embeddings)
+    return tokens * sum(4 * i + 4 * m.lora.rank for _, i, _ in targets(m))
 
 
 def _activation_bytes(
@@ -215,6 +249,12 @@ def _hf_sizes(cfg: RunConfig) -> Sizes:
     from miles.memory.traffic import offload_bytes, workspace_bytes
     from miles.model.size import count_params, kv_bytes_per_token, load_hf_config, model_shapes
 
+    if cfg.model.lora.enabled:
+        raise ValueError(
+            f"handoff.plan_model = {cfg.handoff.plan_model!r} is sized for full fine-tuning; with model.lora.rank = "
+            f"{cfg.model.lora.rank} the planner sizes the embedded decoder: leave handoff.plan_model empty and set "
+            "model.* to the model's dimensions (as the h200_llama3_8b_lora recipe does)"
+        )
     try:  # a hand-written config.json may lack a field or hold a zero where a count belongs
         hf = load_hf_config(cfg.handoff.plan_model)
         for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"):

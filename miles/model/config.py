@@ -7,12 +7,13 @@ biases) and Qwen3 (per-head q/k RMSNorm, no attention bias). ``from_hf`` refuses
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
 
 from miles.config_check import check, require_finite
 from miles.model.config_json import HF_CLASSES, decoder_fields
+from miles.model.lora_config import LoRAConfig, targets
 
 
 @dataclass(kw_only=True, slots=True)
@@ -39,8 +40,11 @@ class ModelConfig:
     init_std: float = 0.02  # random init: the normal's standard deviation
     checkpoint: str = ""  # HF directory or .gguf file (--model): the model then is its, tokenizer too; "" = random init
     tokenizer: str = "bytes"  # "bytes" (built in) or "hf:<dir-or-gguf>" (needs transformers)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)  # low-rank adapters; rank 0 = full fine-tuning
 
     def __post_init__(self):
+        if isinstance(self.lora, dict):  # as_dict() round trips (a checkpoint's model rebuilt from a section)
+            self.lora = LoRAConfig(**self.lora)
         require_finite("model", self)
         for name in (
             "vocab_size",
@@ -80,6 +84,8 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"model.head_dim = {self.head_dim} must be even for rotary embeddings")
+        if self.lora.enabled:
+            targets(self)  # a rank above a projection's size or a target matching nothing, refused here
 
     @property
     def num_parameters(self) -> int:

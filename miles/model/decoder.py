@@ -179,7 +179,8 @@ class Decoder(nn.Module):
 
 
 def build_decoder(cfg: ModelConfig, *, seed: int = 0, device="cpu", kernels: Kernels = STANDARD) -> Decoder:
-    """A decoder in the config's dtype: loaded from ``cfg.checkpoint`` when set, else random-initialised."""
+    """A decoder in the config's dtype: loaded from ``cfg.checkpoint`` when set, else random-initialised; with
+    ``cfg.lora.rank`` >= 1, FP32 adapters on the targeted projections and the base frozen (miles.model.lora)."""
     with torch.device("meta"):
         model = Decoder(cfg, kernels)
     model = model.to_empty(device=device)
@@ -191,4 +192,9 @@ def build_decoder(cfg: ModelConfig, *, seed: int = 0, device="cpu", kernels: Ker
         load_weights(model, cfg.checkpoint)
     else:
         model.init_weights(seed)
-    return model.to(DTYPES[cfg.dtype])
+    model = model.to(DTYPES[cfg.dtype])
+    if cfg.lora.enabled:
+        from miles.model.lora import add_adapters
+
+        add_adapters(model, cfg.lora, seed=seed)
+    return model

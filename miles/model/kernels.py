@@ -95,7 +95,8 @@ def _invariant_attention(q, k, v, mask_B1TS, q_start: int):
 
 
 def _invariant_linear(x, module):
-    return ops.linear(x, module.weight, module.bias)
+    y = ops.linear(x, module.weight, module.bias)
+    return module.adapt(x, y, ops.linear) if hasattr(module, "adapt") else y  # a LoRA projection (miles.model.lora)
 
 
 def _invariant_logits_into(h, weight, out):

@@ -10,7 +10,8 @@ fields); ``stated_params`` reads the authors' round figures so the counts can be
     hf = load_hf_config("kimi-k2")
     c = count_params(hf)            # ParamCount(total=1.026e12, active=3.26e10, mtp=0, ...)
     kv_bytes_per_token(hf, 2)       # bytes of KV cache per token (all layers)
-    decoder_storages(model_cfg)     # {"params": [bytes per storage, ...]} for the embedded decoder
+    decoder_storages(model_cfg)     # {"params": [bytes per storage, ...]} for the embedded decoder (its base)
+    adapter_storages(model_cfg)     # LoRA's A and B matrices (FP32), [] without model.lora
 """
 
 from __future__ import annotations
@@ -140,6 +141,14 @@ def decoder_storages(model_cfg) -> dict[str, list[int]]:
         model.lm_head.weight = model.model.embed_tokens.weight
     size = DTYPE_BYTES[model_cfg.dtype]
     return {"params": [p.numel() * size for p in model.parameters()]}
+
+
+def adapter_storages(model_cfg) -> list[int]:
+    """Bytes of each LoRA adapter matrix (A [rank, in] and B [out, rank] per targeted projection, FP32)."""
+    from miles.model.lora_config import targets
+
+    r = model_cfg.lora.rank
+    return [n for _, i, o in targets(model_cfg) for n in (4 * r * i, 4 * o * r)] if r else []
 
 
 def kv_cache_storages(model_cfg, max_batch: int, max_len: int) -> list[int]:

@@ -19,6 +19,7 @@ from miles.memory import MemoryLedger, TaggedMemory
 from miles.model.config import ModelConfig
 from miles.model.decoder import KVCache, build_decoder
 from miles.model.kernels import kernels_for
+from miles.model.lora import split_synced
 from miles.protocols.engine import (
     EngineError,
     GenerateOutput,
@@ -77,7 +78,10 @@ class EmbeddedEngine(UpdateCalls):
         )
         self.ledger = ledger or MemoryLedger()
         self.memory = TaggedMemory(owner, self.ledger, self.device)
-        self.memory.register("weights", self.model.parameters(), policy=weights_policy)
+        synced, base = split_synced(self.model)  # with LoRA: the adapters, and the base they sit on
+        self.memory.register("weights", synced, policy=weights_policy)
+        if base:  # written by no sync and released by no plan step: it stays resident for the run
+            self.memory.register("base", base, policy="host")
         self.memory.register("kv_cache", self.cache.tensors(), policy="discard")
         dtype = next(self.model.parameters()).dtype
         self.rope = RopeTable(model_cfg, self.max_seq_len, self.device, dtype, kernels)
@@ -94,6 +98,7 @@ class EmbeddedEngine(UpdateCalls):
         self.weight_version = 0
         self.lock = threading.RLock()  # held by each forward step and by weight updates
         self._params = dict(self.model.named_parameters())
+        self._synced = synced  # what a release of "weights" discards and a sync writes
         self._unsynced: set[int] = set()  # ids of parameters discarded by a release and not written since
         self._gen: torch.Generator | None = None
 
@@ -175,7 +180,7 @@ class EmbeddedEngine(UpdateCalls):
     def unsynced_message(self) -> str:
         return (
             f"the engine's weights were discarded by offload(['weights']) and {len(self._unsynced)} of "
-            f"{len(self._params)} tensors have not been written since; sync the weights (update_weights_*) first"
+            f"{len(self._synced)} tensors have not been written since; sync the weights (update_weights_*) first"
         )
 
     def prefill(self, b: PrefillBatch) -> int:
@@ -283,7 +288,7 @@ class EmbeddedEngine(UpdateCalls):
         phase = "release_" + "+".join(tags)
         with self.lock:
             if "weights" in tags and self.memory.tags["weights"].policy == "discard":
-                self._unsynced = {id(p) for p in self._params.values()}
+                self._unsynced = {id(p) for p in self._synced}
             freed = self.graphs.release(phase) if self.graphs is not None else 0
             return freed + self.memory.offload(tags, phase=phase)
 

@@ -90,7 +90,10 @@ def _prefill_fused(model, fused, cache, rope, ids_UP, lens_U, slots_N, src_N) ->
     cos, sin = rope.cos[:P][None, None], rope.sin[:P][None, None]
     for i, layer in enumerate(layers):
         a = layer.self_attn
-        qkv = F.linear(h, fused.qkv[i], fused.qkv_bias[i]).view(U, P, H + 2 * KVH, D)
+        qkv = F.linear(h, fused.qkv[i], fused.qkv_bias[i])
+        if fused.adapters is not None:  # LoRA (miles.rollout.fused_adapters)
+            fused.adapters.add_qkv(i, h, qkv)
+        qkv = qkv.view(U, P, H + 2 * KVH, D)
         q, k, v = qkv[:, :, :H], qkv[:, :, H : H + KVH], qkv[:, :, H + KVH :]
         if cfg.qk_norm:  # Qwen3
             q, k = a.q_norm(q), a.k_norm(k)
@@ -98,7 +101,7 @@ def _prefill_fused(model, fused, cache, rope, ids_UP, lens_U, slots_N, src_N) ->
         q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
         o = _cache_and_attend(STANDARD, cache, i, slots_N, src_N, q, k, v)
         h = add_rmsnorm(x, a.o_proj(o.transpose(1, 2).reshape(U * P, -1)), layer.post_attention_layernorm.weight, eps)
-        mlp = layer.mlp.down_proj(silu_mul(F.linear(h, fused.gate_up[i])))
+        mlp = layer.mlp.down_proj(silu_mul(_gate_up(fused, i, h)))
         nxt = layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else model.model.norm.weight
         h = add_rmsnorm(x, mlp, nxt, eps)
     last = h.view(U, P, -1)[torch.arange(U, device=h.device), lens_U - 1]  # already normed by model.norm
@@ -143,10 +146,18 @@ class FusedProjections:
     """Per layer, q|k|v and gate|up as one weight each, whose storage the modules' parameters are views of.
 
     Weight updates copy into the parameters, hence into these storages; TaggedMemory sees the same bytes (one
-    storage where there were three and two). Built once, before the engine registers its weights."""
+    storage where there were three and two). Built once, before the engine registers its weights. ``adapters``:
+    LoRA's A matrices stacked the same way, applied next to the fused matmuls (miles.rollout.fused_adapters)."""
 
-    def __init__(self, qkv: list, qkv_bias: list, gate_up: list):
-        self.qkv, self.qkv_bias, self.gate_up = qkv, qkv_bias, gate_up
+    def __init__(self, qkv: list, qkv_bias: list, gate_up: list, adapters=None):
+        self.qkv, self.qkv_bias, self.gate_up, self.adapters = qkv, qkv_bias, gate_up, adapters
+
+
+def _gate_up(fused: FusedProjections, i: int, h: torch.Tensor) -> torch.Tensor:
+    gu = F.linear(h, fused.gate_up[i])
+    if fused.adapters is not None:
+        fused.adapters.add_gate_up(i, h, gu)
+    return gu
 
 
 def _fuse(params: list[torch.nn.Parameter]) -> torch.Tensor:
@@ -165,7 +176,9 @@ def fuse_projections(model: Decoder) -> FusedProjections:
         qkv.append(_fuse([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]))
         bias.append(_fuse([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]) if a.q_proj.bias is not None else None)
         gu.append(_fuse([m.gate_proj.weight, m.up_proj.weight]))
-    return FusedProjections(qkv, bias, gu)
+    from miles.rollout.fused_adapters import FusedAdapters
+
+    return FusedProjections(qkv, bias, gu, FusedAdapters.of(model, _fuse))
 
 
 @torch.no_grad()
@@ -194,12 +207,14 @@ def decode_step_fused(
     filled = lens_R + 1
     for i, layer in enumerate(layers):
         qkv = F.linear(h, fused.qkv[i], fused.qkv_bias[i])
+        if fused.adapters is not None:
+            fused.adapters.add_qkv(i, h, qkv)
         a = layer.self_attn
         qk_norm = (a.q_norm.weight, a.k_norm.weight, a.q_norm.eps) if cfg.qk_norm else None  # Qwen3
         q = rope_kv(qkv, rope.cos, rope.sin, lens_R, cache.k[i], cache.v[i], H, KVH, D, qk_norm)
         o = decode_attention(q, cache.k[i], cache.v[i], filled, num_splits=num_splits, fused=True, prefix=prefix)
         h = add_rmsnorm(x, layer.self_attn.o_proj(o.reshape(R, -1)), layer.post_attention_layernorm.weight, eps)
-        mlp = layer.mlp.down_proj(silu_mul(F.linear(h, fused.gate_up[i])))
+        mlp = layer.mlp.down_proj(silu_mul(_gate_up(fused, i, h)))
         nxt = layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else model.model.norm.weight
         h = add_rmsnorm(x, mlp, nxt, eps)
     return torch.mm(h, model.lm_head.weight.t(), out=out_RV)

@@ -52,9 +52,16 @@ def sample_log_probs(backend, batch) -> dict[int, list[float]]:
 
 
 def write_checkpoint_files(directory: str, state: dict) -> None:
+    """model.safetensors, or for LoRA the PEFT adapter (adapter_config.json + adapter_model.safetensors); and
+    optimizer.pt."""
     from safetensors.torch import save_file
 
-    save_file({k: v.contiguous() for k, v in state["model"].items()}, str(Path(directory) / "model.safetensors"))
+    if "adapter_config" in state:
+        from miles.model.peft_format import save_adapter
+
+        save_adapter(directory, state["model"], state["adapter_config"])
+    else:
+        save_file({k: v.contiguous() for k, v in state["model"].items()}, str(Path(directory) / "model.safetensors"))
     torch.save(state["optimizer"], Path(directory) / "optimizer.pt")
 
 
@@ -65,7 +72,11 @@ def read_checkpoint_files(directory: str) -> dict:
 
     from safetensors.torch import load_file
 
-    model = load_file(str(Path(directory) / "model.safetensors"))
+    from miles.model.peft_format import is_adapter_dir, load_adapter
+
+    model = (
+        load_adapter(directory) if is_adapter_dir(directory) else load_file(str(Path(directory) / "model.safetensors"))
+    )
     path = Path(directory) / "optimizer.pt"
     try:
         optim = torch.load(path, weights_only=True)

@@ -2,7 +2,9 @@
 
 A ``miles.protocols.trainer.TrainerBackend`` (train_step, sft_step, forward_logprobs, named_weights in HF names,
 state_dict/load_state_dict, and offload/onload by tag through a TaggedMemory, clear_memory). Tags: ``params``,
-``grads``, ``optimizer`` (``ref`` when KL is on).
+``grads``, ``optimizer`` (``ref`` when KL is on). With LoRA (``model.lora.rank``): ``params`` are the adapters, the
+frozen base is ``base`` (never moved by the handoff plan), and the KL reference is the base itself, adapters off
+(miles.model.lora), with no ``ref`` copy.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from miles.memory import MemoryLedger, TaggedMemory
 from miles.model.config import ModelConfig
 from miles.model.decoder import build_decoder
 from miles.model.kernels import kernels_for
+from miles.model.lora import adapters_disabled, is_adapter, split_synced
 from miles.policy.kl import kl_estimate, kl_penalised_advantages
 from miles.policy.logprob import log_probs_and_entropy
 from miles.policy.loss import masked_mean, policy_loss
@@ -80,7 +83,10 @@ class TorchBackend:
             from miles.quant import apply_precision
 
             apply_precision(self.model, cfg.precision)  # before the reference copy, so both are quantized alike
-        self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False) if cfg.kl_coef else None
+        self.lora = model_cfg.lora.enabled  # the base frozen, the adapters train (miles.model.lora)
+        # the KL reference: a frozen copy of the initial model, or with LoRA the base itself (adapters_disabled)
+        copy_ref = cfg.kl_coef and not self.lora
+        self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False) if copy_ref else None
         if world_size > 1:
             self._shard()
         self.optimizer = self._build_optimizer()
@@ -92,7 +98,10 @@ class TorchBackend:
         self.memory = TaggedMemory(f"trainer/{rank}", self.ledger, self.device, disk_dir=disk_dir)
         policy = "discard" if offload_policy == "none" else offload_policy
         self.offload_enabled = offload_policy != "none"
-        self.memory.register("params", list(self.model.parameters()), policy=policy)
+        trained, base = split_synced(self.model)  # (all, []) or (the adapters, the frozen base)
+        self.memory.register("params", trained, policy=policy)
+        if base:
+            self.memory.register("base", base, policy=policy)  # in no plan step: resident for the run
         self.memory.register(
             "grads", lambda: [p.grad for p in self.model.parameters() if p.grad is not None], policy="discard"
         )
@@ -188,7 +197,7 @@ class TorchBackend:
         c = self.cfg
         tokens, mask = mb.tokens.to(self.device), mb.loss_mask.to(self.device)
         lp, ent = self._token_log_probs(self.model, tokens, with_entropy=True)
-        ref = self._token_log_probs(self.ref_model, tokens)[0].detach() if self.ref_model is not None else None
+        ref = self._reference_log_probs(tokens) if c.kl_coef else None
         old_lp = lp.detach() if old_lp is None else old_lp.to(self.device)
         advantages = mb.advantages.to(self.device)
         if ref is not None and c.kl_in == "reward":
@@ -216,6 +225,14 @@ class TorchBackend:
         )
         out.metrics.update(extra)
         return out, old_lp
+
+    @torch.no_grad()
+    def _reference_log_probs(self, tokens_NL: torch.Tensor) -> torch.Tensor:
+        """The KL reference's log-probs: the initial model's copy, or with LoRA the base (adapters off)."""
+        if self.ref_model is not None:
+            return self._token_log_probs(self.ref_model, tokens_NL)[0]
+        with adapters_disabled(self.model):
+            return self._token_log_probs(self.model, tokens_NL)[0]
 
     def sft_step(self, batch: TrainBatch) -> dict[str, float]:
         """One supervised step on the response tokens (cross-entropy), e.g. for a warm-up before RL."""
@@ -250,28 +267,39 @@ class TorchBackend:
 
     # ---- weights ------------------------------------------------------------------------------------------
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, full tensor) pairs; read from the host backup when params are offloaded. Collective under FSDP2."""
-        tied = self.model_cfg.tie_word_embeddings
+        """(HF name, full tensor) pairs of what trains (every weight, or with LoRA the adapters: what a sync sends
+        and a checkpoint keeps); read from the host backup when params are offloaded. Collective under FSDP2."""
+        trained = self.trained_names()
         for name, p in self.model.named_parameters():
-            if tied and name == "lm_head.weight":
+            if name not in trained:
                 continue
             t = self.memory.backup_view("params", p) if self.memory.is_offloaded("params") else p.detach()
             if hasattr(t, "full_tensor"):
                 t = t.full_tensor()
             yield name, t
 
+    def trained_names(self) -> set[str]:
+        tied = self.model_cfg.tie_word_embeddings
+        return {n for n, p in self.model.named_parameters() if p.requires_grad and not (tied and n == "lm_head.weight")}
+
     def state_dict(self) -> dict:
         if self.optim_offloader is not None:
             self.optim_offloader.flush()  # msync file-backed state before a checkpoint reads it
-        return {
+        state = {
             "model": {k: v.cpu().clone() for k, v in self.named_weights()},
             "optimizer": self.optimizer.state_dict()
             if self.world_size == 1
             else _full_optim_state(self.model, self.optimizer),
         }
+        if self.lora:  # the adapters are saved in PEFT's format, with its config (miles.model.peft_format)
+            from miles.model.peft_format import adapter_config
+
+            state["adapter_config"] = adapter_config(self.model_cfg)
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         own = dict(self.model.named_parameters())
+        check_checkpoint_names(set(state["model"]), self.trained_names(), self.model_cfg)
         with torch.no_grad():
             for name, t in state["model"].items():
                 p = own[name]
@@ -322,6 +350,21 @@ def _log_first_mismatch(where: str, trainer_log_probs: torch.Tensor, batch: Trai
         "position %d: trainer %r, engine %r (a kernel outside miles.model.kernels, or weights not synced)",
         where, batch.sample_index[row], row, pos, ours, theirs,
     )  # fmt: skip
+
+
+def check_checkpoint_names(saved: set[str], trained: set[str], model_cfg: ModelConfig) -> None:
+    """A checkpoint of what this run trains (all weights, or LoRA adapters of the same targets), or a ValueError."""
+    if saved == trained:
+        return
+    what = lambda names: "LoRA adapters" if names and all(is_adapter(n) for n in names) else "full weights"  # noqa: E731
+    missing, extra = sorted(trained - saved), sorted(saved - trained)
+    lora = model_cfg.lora
+    run = f"LoRA rank {lora.rank} on {lora.target_modules}" if lora.enabled else "full fine-tuning"
+    raise ValueError(
+        f"the checkpoint holds {what(saved)} ({len(saved)} tensors) and this run ({run}) trains {what(trained)} "
+        f"({len(trained)} tensors): {len(missing)} missing, e.g. {missing[:2]}; {len(extra)} unknown, e.g. "
+        f"{extra[:2]}. Resume with the model.lora settings it was saved with, or start a new run_dir"
+    )
 
 
 def _accumulate(acc: dict, new: dict, n: int) -> dict:

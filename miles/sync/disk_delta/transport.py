@@ -153,16 +153,18 @@ class DiskDeltaSync:
     @classmethod
     def from_run_config(cls, cfg, *, group=None) -> "DiskDeltaSync":
         """The transport for a RunConfig. Root: ``sync.disk_delta_dir`` or ``<run_dir>/weights``. Baseline: the
-        checkpoint the engines loaded (``model.checkpoint``); for a random-initialised model none exists, so the
-        first update writes ``<root>/baseline.safetensors`` from the weights it is given and the engines load it
-        whole (``write_baseline``); later versions are deltas against it."""
+        checkpoint the engines loaded (``model.checkpoint``); for a random-initialised model none exists, nor for
+        LoRA adapters (the checkpoint holds the base only), so the first update writes
+        ``<root>/baseline.safetensors`` from the weights it is given and the engines load it whole
+        (``write_baseline``); later versions are deltas against it."""
         root = cfg.sync.disk_delta_dir or str(Path(cfg.run_dir) / "weights")
-        baseline = cfg.model.checkpoint or str(Path(root) / "baseline.safetensors")
+        own = cfg.model.checkpoint and not cfg.model.lora.enabled
+        baseline = cfg.model.checkpoint if own else str(Path(root) / "baseline.safetensors")
         return cls(
             DiskDeltaConfig(
                 root=root,
                 baseline=baseline,
-                write_baseline=not cfg.model.checkpoint,
+                write_baseline=not own,
                 check_weights=cfg.sync.check_weights,
                 partition="round_robin" if cfg.trainer.world_size > 1 else "emitted",
             ),
