@@ -1,4 +1,4 @@
-"""miles train | plan | serve | dashboard | bench: the command line over recipes, config files and overrides.
+"""miles train | plan | serve | dashboard | bench | export: the command line over recipes, config files and overrides.
 
 Exit codes: 0 done; 1 the run failed (a worker error, a full or read-only disk, a busy run directory, a port in
 use); 2 bad input (an unknown recipe, benchmark or config field, a value out of range, a run_dir that cannot be
@@ -33,6 +33,7 @@ _DELEGATED = {
     "plan": ("miles.cli.plan", "predict device/host memory peaks of a recipe on hardware, before launching"),
     "serve": ("miles.cli.serve", "serve the embedded engine over SGLang's HTTP API"),
     "dashboard": ("miles.dashboard.server", "browse a run directory in a web UI"),
+    "export": ("miles.cli.export", "write a LoRA checkpoint as a Hugging Face checkpoint with the adapter merged"),
 }
 
 

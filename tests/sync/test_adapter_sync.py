@@ -12,6 +12,8 @@ import torch
 from miles.sync.check import check_weights, weights_differ
 from tests.conftest import tiny_run_cfg
 
+pytestmark = pytest.mark.procs  # it starts processes or servers (tests/conftest.py: the tiers)
+
 # disk-delta first: rdt over gloo makes a Ray collective group, which initialises torch.distributed's default group
 # in the trainer process, and disk-delta would then gather over that world (a run uses one transport)
 TRANSPORTS = ["disk-delta", "tensor", "tensor:in_place", "broadcast", "rdt", "rdt:in_place"]
@@ -23,6 +25,7 @@ def actors(ray_session, tmp_path_factory):
     from ray import cloudpickle
 
     from miles.rollout.manager import RolloutManager
+    from miles.sources import make_sources
     from miles.sync.rdt import actor_options
     from miles.train.actor import TrainActor
 
@@ -37,7 +40,7 @@ def actors(ray_session, tmp_path_factory):
     engine = (
         ray.remote(RolloutManager)
         .options(num_cpus=0, enable_tensor_transport=True, max_concurrency=4)
-        .remote(cfg, "cpu")
+        .remote(cfg, "cpu", sources=make_sources)
     )
     ray.get([trainer.build.remote(), engine.weight_versions.remote()])
     yield ray, trainer, engine

@@ -13,7 +13,7 @@ from miles.model.decoder import build_decoder
 from miles.model.lora import is_adapter
 from miles.model.lora_config import LoRAConfig
 from miles.policy.logprob import log_probs_and_entropy
-from miles.train.actor import read_checkpoint_files, write_checkpoint_files
+from miles.train.backend import read_checkpoint_files, write_checkpoint_files
 from miles.train.torch_backend import TorchBackend
 from tests.train.test_torch_backend import _batch
 
