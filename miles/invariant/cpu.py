@@ -13,10 +13,13 @@ the scalar tail alike (ATen rounds FP32 to bf16 with the same integer round-to-n
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from miles.invariant import exact
 
-ATTENTION_CHUNK = 1 << 22  # elements of the [rows, heads, queries, keys, head_dim] products held at once
+ATTENTION_CHUNK = 1 << 22  # elements of the [rows, heads, queries, keys or block x head_dim] temporaries at once
+KEY_BLOCK = 16  # keys whose weighted values are summed exactly at once: 16 x 2^(25 + 24) <= 2^53
+P_BITS, V_BITS = 25, 24  # grid bits of the softmax weights (absolute: p <= 1) and of the values (per block, column)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -46,12 +49,14 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 def attention(q_BHTD: torch.Tensor, k_BKSD: torch.Tensor, v_BKSD: torch.Tensor, qpos_BT: torch.Tensor) -> torch.Tensor:
     """Causal attention by absolute position: query (b, t) attends to keys 0..qpos[b, t] of row b (keys past the
-    last one given must not be needed). Scores are exact fixed-point dot products rounded to FP32 and scaled; the
-    softmax takes the exact maximum, ``exact.exp`` and tree sums over keys with the masked ones -0.0, so neither
-    the number of keys nor their masked contents change a bit. Rows go in chunks to bound the [.., keys, D] products."""
+    last one given must not be needed). The scores are exact fixed-point dot products rounded to FP32; the softmax
+    weights p = exp(s - max) go on a fixed grid of 2^-25; the sum over keys is exact within each aligned block of
+    ``KEY_BLOCK`` keys (values on a grid per block and column, from the block's keys up to the query: the same keys
+    in a prefill, a decode step over any cache and the trainer's sequence), and the blocks add by the aligned tree
+    with masked ones -0.0. Rows go in chunks to bound the [.., queries, block, D] temporaries."""
     B, H, T, D = q_BHTD.shape
     S = k_BKSD.shape[2]
-    per_row = H * T * S * D
+    per_row = H * T * (S + KEY_BLOCK * D)
     step = max(1, ATTENTION_CHUNK // max(1, per_row))
     qpos_BT = qpos_BT.expand(B, T)
     outs = [
@@ -64,6 +69,7 @@ def attention(q_BHTD: torch.Tensor, k_BKSD: torch.Tensor, v_BKSD: torch.Tensor, 
 def _attention_rows(q, k, v, qpos):
     B, H, T, D = q.shape
     KVH, S = k.shape[1], k.shape[2]
+    qpos = qpos.clamp(max=S - 1)  # a decode step's finished rows may sit past the cut: their output is not read
     if KVH != H:  # grouped-query attention: each KV head serves H / KVH query heads (exact copies)
         k, v = k.repeat_interleave(H // KVH, 1), v.repeat_interleave(H // KVH, 1)
     bits = exact.bits_for(D)
@@ -72,11 +78,49 @@ def _attention_rows(q, k, v, qpos):
     scores = torch.matmul(qg, kg.transpose(-1, -2)).float() * (D**-0.5)  # exact sums, one rounding
     seen = torch.arange(S, device=q.device)[None, None, None, :] <= qpos[:, None, :, None]  # [B, 1, T, S]
     scores = torch.where(seen, scores, float("-inf"))
-    m = scores.amax(-1, keepdim=True)
-    p = torch.where(seen, exact.exp(scores - m), -0.0)  # [B, H, T, S]
-    den = exact.tree_sum(p, -1)
-    pv = torch.where(seen[..., None], p[..., None] * v.float()[:, :, None], -0.0)  # [B, H, T, S, D]
-    return (exact.tree_sum(pv, -2) / den[..., None]).to(q.dtype)
+    p = torch.where(seen, exact.exp(scores - scores.amax(-1, keepdim=True)), 0.0)
+    pq = torch.round(p.double() * 2.0**P_BITS)  # integers <= 2^25
+    acc = _weighted_values(pq, v.float(), qpos)
+    return (acc / pq.sum(-1, keepdim=True)).float().to(q.dtype)  # the sum of integers is exact: any order
+
+
+def _weighted_values(pq, v, qpos):
+    """sum_j pq[.., t, j] v[.., j, :] per query, in FP64: exact within each key block, blocks added by the tree."""
+    B, H, T, S = pq.shape
+    D, KB = v.shape[-1], KEY_BLOCK
+    nblk = -(-S // KB)
+    pad = nblk * KB - S
+    if pad:
+        pq, v = F.pad(pq, (0, pad)), F.pad(v, (0, 0, 0, pad))
+    vb = v.view(B, H, nblk, KB, D)
+    top = vb.abs().cummax(3).values  # a column's largest |v| in its block up to each key
+    full = _on_grid(vb, top[:, :, :, -1:])  # whole blocks: the grid of the block's largest value
+    per_block = pq.view(B, H, T, nblk, KB).transpose(2, 3) @ full  # [B, H, nblk, T, D], exact
+    c_t, r_t = (qpos // KB)[:, None, :], (qpos % KB)[:, None, :]  # the query's own block and its place there
+    idx = c_t[..., None, None].expand(B, H, T, KB, D)
+    mine = torch.gather(vb, 2, idx)  # [B, H, T, KB, D]: each query's own block, keys past it zeroed
+    mine = torch.where(torch.arange(KB, device=v.device)[:, None] <= r_t[..., None, None], mine, 0.0)
+    grid_top = torch.gather(top, 2, idx).gather(3, r_t[..., None, None].expand(B, H, T, 1, D))  # up to t
+    p_mine = torch.gather(pq.view(B, H, T, nblk, KB), 3, c_t[..., None, None].expand(B, H, T, 1, KB))[:, :, :, 0]
+    step = _grid_step(grid_top)[:, :, :, 0]  # [B, H, T, D]
+    diagonal = (p_mine[..., None] * torch.round(mine.double() / step[:, :, :, None])).sum(-2) * step  # exact
+    blk = torch.arange(nblk, device=v.device)[:, None]
+    per_block = per_block.permute(0, 1, 3, 2, 4)  # [B, H, T, nblk, D]
+    parts = torch.where(
+        blk < c_t[..., None, None], per_block, torch.where(blk == c_t[..., None, None], diagonal[:, :, :, None], -0.0)
+    )
+    return exact.tree_sum(parts, -2)
+
+
+def _grid_step(top):
+    """2^(e - 24) in FP64 where |top| < 2^e (FP32 ``top``): the grid step of values whose largest is ``top``."""
+    return exact.pow2_f64(((top.contiguous().view(torch.int32).to(torch.int64) >> 23) - 126) - V_BITS)
+
+
+def _on_grid(x, top):
+    """x (FP32) rounded to multiples of the grid step of ``top``, as FP64 (divisions by powers of two: exact)."""
+    step = _grid_step(top)
+    return torch.round(x.double() / step) * step
 
 
 def token_log_probs(logits_RV: torch.Tensor, tokens_R: torch.Tensor, temperature_R: torch.Tensor) -> torch.Tensor:
@@ -92,9 +136,14 @@ def token_log_probs(logits_RV: torch.Tensor, tokens_R: torch.Tensor, temperature
     return (x_tok - m) - exact.log(s)
 
 
-def decode_attention(q_RHD, k_cache, v_cache, lens_R, *, bound=None, prefix=None) -> torch.Tensor:
-    """Row r's query at position lens_R[r] - 1 over its cache slot cut at ``bound`` (positions below prefix[1][r]
-    read from slot prefix[0][r]): ``attention`` with one query per row, so the same bits as in a full sequence."""
+def decode_attention(filled_R: torch.Tensor, *, prefix=None, bound=None):
+    """Attention of one query per row at position filled_R[r] - 1 over its cache slot cut at ``bound`` (positions
+    below prefix[1][r] read from slot prefix[0][r]), as a function of (q [R, H, D], k_cache, v_cache): ``attention``
+    with one query per row, so the same bits as in a full sequence."""
+    return lambda q, k_cache, v_cache: _decode_rows(q, k_cache, v_cache, filled_R, bound, prefix)
+
+
+def _decode_rows(q_RHD, k_cache, v_cache, lens_R, bound, prefix) -> torch.Tensor:
     R = q_RHD.shape[0]
     S = min(bound or k_cache.shape[2], k_cache.shape[2])
     k, v = k_cache[:R, :, :S], v_cache[:R, :, :S]

@@ -20,6 +20,7 @@ round, clamp, integer and bit operations, conversions), and reductions whose ord
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 
@@ -79,7 +80,27 @@ def exact_matmul(a_MK: torch.Tensor, b_NK: torch.Tensor) -> torch.Tensor:
     stay below 2^53 multiples, so FP64 holds every partial sum exactly: the BLAS may order, block and split the sum
     over K as it likes (it does, by M). One rounding to FP32 at the end."""
     bits = bits_for(a_MK.shape[-1])
-    return (to_grid(a_MK, bits) @ to_grid(b_NK, bits).T).float()
+    return (to_grid(a_MK, bits) @ weight_grid(b_NK, bits).T).float()
+
+
+_GRIDS: dict[int, tuple] = {}  # id(weight) -> (weakref to it, its state, its grid); dropped when the weight dies
+
+
+def weight_grid(w: torch.Tensor, bits: int) -> torch.Tensor:
+    """``to_grid(w, bits)``, kept per weight tensor that takes no gradient (the engine's) while its storage address
+    and version counter stay: every write through torch (a weight sync's copy_, also into a byte view) bumps the
+    counter; a storage moved by an offload comes back at a new address or with the same bytes (a host backup), or
+    is written by the sync the engine requires after a discard. A trainer's weights are gridded afresh each call."""
+    if w.requires_grad or w.is_inference():
+        return to_grid(w, bits)
+    state = (w.data_ptr(), w._version, tuple(w.shape), tuple(w.stride()), w.dtype, bits)
+    hit = _GRIDS.get(id(w))
+    if hit is not None and hit[0]() is w and hit[1] == state:
+        return hit[2]
+    grid = to_grid(w, bits)
+    key = id(w)
+    _GRIDS[key] = (weakref.ref(w, lambda _, key=key: _GRIDS.pop(key, None)), state, grid)
+    return grid
 
 
 def exp(x: torch.Tensor) -> torch.Tensor:

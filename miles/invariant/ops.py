@@ -97,25 +97,29 @@ class _SiluMul(torch.autograd.Function):
 
 
 def standard_attention(q, k, v, qpos_BT):
-    """SDPA with the causal-by-position mask of ``qpos`` (the math the invariant kernels implement)."""
-    S = k.shape[2]
-    seen = torch.arange(S, device=q.device)[None, None, None, :] <= qpos_BT[:, None, :, None]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=seen, enable_gqa=q.shape[1] != k.shape[1])
+    """SDPA with the causal-by-position mask of ``qpos`` (None: positions 0.., the usual causal attention)."""
+    gqa = q.shape[1] != k.shape[1]
+    if qpos_BT is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    seen = torch.arange(k.shape[2], device=q.device)[None, None, None, :] <= qpos_BT[:, None, :, None]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=seen, enable_gqa=gqa)
 
 
 class _Attention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, qpos_BT):
+    def forward(ctx, q, k, v, qpos_BT, from_zero: bool):
         ctx.save_for_backward(q, k, v, qpos_BT)
+        ctx.from_zero = from_zero
         return _impl(q).attention(q, k, v, qpos_BT)
 
     @staticmethod
     def backward(ctx, g):
         q, k, v, qpos = ctx.saved_tensors
+        qpos = None if ctx.from_zero else qpos  # the usual causal attention: SDPA's flash backward
         grads = _recompute_grads(
             lambda a, b, c: standard_attention(a, b, c, qpos), (q, k, v), ctx.needs_input_grad[:3], g
         )
-        return (*grads, None)
+        return (*grads, None, None)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -131,15 +135,21 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return _SiluMul.apply(gate, up)
 
 
-def attention(q_BHTD, k_BKSD, v_BKSD, qpos_BT: torch.Tensor) -> torch.Tensor:
-    """Query (b, t) attends to keys 0..qpos[b, t]; keys are indexed by absolute position from 0."""
-    return _Attention.apply(q_BHTD, k_BKSD, v_BKSD, qpos_BT.expand(q_BHTD.shape[0], q_BHTD.shape[2]))
+def attention(q_BHTD, k_BKSD, v_BKSD, qpos_BT: torch.Tensor | None = None) -> torch.Tensor:
+    """Query (b, t) attends to keys 0..qpos[b, t]; keys are indexed by absolute position from 0. ``qpos`` None:
+    query t is at position t over as many keys (the trainer's sequences, the engine's prompts)."""
+    B, _, T, _ = q_BHTD.shape
+    from_zero = qpos_BT is None and k_BKSD.shape[2] == T
+    if qpos_BT is None:
+        qpos_BT = torch.arange(T, device=q_BHTD.device)[None]
+    return _Attention.apply(q_BHTD, k_BKSD, v_BKSD, qpos_BT.expand(B, T), from_zero)
 
 
-def decode_attention(q_RHD, k_cache, v_cache, lens_R, *, bound=None, prefix=None, **_ignored) -> torch.Tensor:
-    """One query per row at position lens_R[r] - 1 against the row's cache slot (positions below prefix len read
-    from the prefix slot): the same reduction as ``attention`` gives that position in a full sequence."""
-    return _impl(q_RHD).decode_attention(q_RHD, k_cache, v_cache, lens_R, bound=bound, prefix=prefix)
+def decode_attention(filled_R: torch.Tensor, *, prefix=None, bound=None):
+    """A decode step's attention, ``attend(q [R, H, D], k_cache, v_cache) -> [R, H, D]``, built once per step for
+    every layer: row r's query at position filled_R[r] - 1 over its cache slot (positions below the prefix length
+    read from the prefix slot), the same reduction ``attention`` gives that position in a full sequence."""
+    return _impl(filled_R).decode_attention(filled_R, prefix=prefix, bound=bound)
 
 
 def token_log_probs(logits_RV: torch.Tensor, tokens_R: torch.Tensor, temperature_R: torch.Tensor) -> torch.Tensor:

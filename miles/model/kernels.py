@@ -90,8 +90,9 @@ def _invariant_attention(q, k, v, mask_B1TS, q_start: int):
             "the invariant kernels take causal attention by position only (right-padded rows, no mask); "
             "left-padded generation with a mask needs kernels=STANDARD"
         )
-    qpos = torch.arange(q_start, q_start + q.shape[2], device=q.device)[None]
-    return ops.attention(q, k, v, qpos)
+    if q_start == 0:
+        return ops.attention(q, k, v)
+    return ops.attention(q, k, v, torch.arange(q_start, q_start + q.shape[2], device=q.device)[None])
 
 
 def _invariant_linear(x, module):

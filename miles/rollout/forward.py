@@ -124,22 +124,29 @@ def decode_step(
     """One token per row at position ``lens_R[r]`` (its K/V written there); logits into ``out_RV``. ``prefix``:
     (slot_R, len_R), a row's positions below len_R read from cache slot slot_R (a group's shared prompt)."""
     kern = model.kernels
-    attend = kern.decode_attention or decode_attention  # the invariant set brings its own; else the engine's
     R = tokens_R.shape[0]
     rows = torch.arange(R, device=tokens_R.device)
     x = model.model.embed_tokens(tokens_R[:, None])  # [R, 1, H]
     cos, sin = rope.cos[lens_R][:, None, None], rope.sin[lens_R][:, None, None]  # [R, 1, 1, D]
     filled = lens_R + 1
+    attend = _decode_attention(kern, filled, bound, num_splits, prefix)
     for i, layer in enumerate(model.model.layers):
         attn = layer.self_attn
         q, k, v = attn.qkv(layer.input_layernorm(x, kern), cos, sin, kern)
         cache.k[i][rows, :, lens_R] = k[:, :, 0]
         cache.v[i][rows, :, lens_R] = v[:, :, 0]
-        o = attend(q[:, :, 0], cache.k[i], cache.v[i], filled, bound=bound, num_splits=num_splits, prefix=prefix)
+        o = attend(q[:, :, 0], cache.k[i], cache.v[i])
         x = x + kern.linear(o.reshape(R, 1, -1), attn.o_proj)
         x = x + layer.mlp(layer.post_attention_layernorm(x, kern), kern)
     h = model.model.norm(x[:, 0], kern)
     return kern.logits_into(h, model.lm_head.weight, out_RV)
+
+
+def _decode_attention(kern: Kernels, filled, bound, num_splits, prefix):
+    """The step's attention for every layer: the kernels' own (the invariant set's), or the engine's."""
+    if kern.decode_attention is not None:
+        return kern.decode_attention(filled, prefix=prefix, bound=bound)
+    return lambda q, k, v: decode_attention(q, k, v, filled, bound=bound, num_splits=num_splits, prefix=prefix)
 
 
 class FusedProjections:

@@ -60,7 +60,7 @@ def test_decode_attention_through_a_shared_prompt_slot_equals_attention_over_the
     cache_k[2, :, 7:12], cache_v[2, :, 7:12] = k[0, :, 7:], v[0, :, 7:]  # row 2's own answer positions
     rows_q = q[0, :, 11][None].expand(3, 4, 16)
     prefix = (torch.tensor([0, 1, 0]), torch.tensor([7, 0, 7]))
-    out = cpu.decode_attention(rows_q, cache_k, cache_v, torch.tensor([12, 12, 12]), bound=15, prefix=prefix)
+    out = cpu.decode_attention(torch.tensor([12, 12, 12]), bound=15, prefix=prefix)(rows_q, cache_k, cache_v)
     assert torch.equal(out[2], full[0, :, 11])
 
 

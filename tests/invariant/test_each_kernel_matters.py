@@ -1,10 +1,10 @@
 """Each invariant op matters: swapped for torch's standard op on both sides, the engine's log-probs and the trainer's
 part wherever torch's op gives a row different bits in the engine's call than in the trainer's on this machine.
 
-Which of torch's CPU ops vary depends on the CPU and the ATen build: matmul and attention vary on every machine
-tried (MKL picks kernels by row count, SDPA reduces over the keys it is given); torch's row reductions and
-elementwise ops reduce each row alike at these sizes on AVX512 (AMD EPYC here), so their swap cannot show here and
-is skipped with the reason; the invariant ops do not depend on that (miles.invariant.exact), and the gpu-marked
+Which of torch's CPU ops vary depends on the CPU and the ATen build: matmul (FP32) and attention vary here (MKL
+picks kernels by row count, SDPA reduces over the keys it is given); torch's row reductions and elementwise ops
+reduce each row alike at these sizes on AVX512 (AMD EPYC here), so their swap cannot show here and is skipped
+with the reason; the invariant ops do not depend on that (miles.invariant.exact), and the gpu-marked
 test shows the swaps on an H200, where torch's reductions change with the row count."""
 
 import pytest
@@ -24,8 +24,10 @@ def _std_attention(q, k, v, qpos):
     return ops.standard_attention(q, k, v, qpos.expand(q.shape[0], q.shape[2]))
 
 
-def _std_decode_attention(q, k_cache, v_cache, lens, *, bound=None, prefix=None):
-    return decode_attention_reference(q, k_cache, v_cache, lens, bound=bound, prefix=prefix)
+def _std_decode_attention(filled, *, bound=None, prefix=None):
+    return lambda q, k_cache, v_cache: decode_attention_reference(
+        q, k_cache, v_cache, filled, bound=bound, prefix=prefix
+    )
 
 
 def _std_log_probs(logits, tokens, temperature):
@@ -44,7 +46,7 @@ SWAPS = {  # op -> (module, attribute, torch's version) pairs swapped together
     "silu": [(cpu, "silu_mul", ops.standard_silu_mul)],
     "log_softmax": [(cpu, "token_log_probs", _std_log_probs)],
     "exp": [(exact, "exp", torch.exp)],
-    "key_sums": [(exact, "tree_sum", _std_tree_sum)],
+    "tree_sums": [(exact, "tree_sum", _std_tree_sum)],  # RMSNorm's, the log-softmax's and attention's block sums
 }
 
 
@@ -74,10 +76,14 @@ def torch_op_varies(op: str, dtype: torch.dtype) -> bool:
         return _rows_vary(lambda x: torch.log_softmax(x.float(), -1), r(600, 264))
     if op == "exp":
         return _rows_vary(lambda x: torch.exp(x.float()), r(600, 4, 24))
-    if op == "key_sums":  # a query's keys: 12 real ones then masked ones, as many as the other side holds
-        x = r(300, 12).float()
-        padded = lambda n: torch.cat([x, torch.full((300, n), -0.0)], 1).sum(-1)  # noqa: E731
-        return any(not torch.equal(padded(n), x.sum(-1)) for n in (1, 4, 13, 20, 52))
+    if op == "tree_sums":  # rows of 64 and 264, and a query's key blocks (<= 4 here) with masked ones -0.0
+        x = r(300, 3).double()
+        padded = lambda n: torch.cat([x, torch.full((300, n), -0.0, dtype=x.dtype)], 1).sum(-1)  # noqa: E731
+        return (
+            _rows_vary(lambda t: t.float().sum(-1), r(600, 64))
+            or _rows_vary(lambda t: t.float().sum(-1), r(600, 264))
+            or not torch.equal(padded(1), x.sum(-1))
+        )
     if op == "attention":  # SDPA over a whole sequence vs over a prompt (prefill) vs one query over a cache (decode)
         q, k, v = r(3, 4, 24, 16), r(3, 2, 24, 16), r(3, 2, 24, 16)
         full = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)

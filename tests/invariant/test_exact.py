@@ -84,3 +84,16 @@ def test_the_fixed_point_grid_keeps_every_sum_below_two_to_the_53():
     for k in (1, 2, 64, 128, 384, 576, 1536, 4864, 8960, 1 << 16):
         b = exact.bits_for(k)
         assert k * 4**b <= 2**53 and b >= 18
+
+
+def test_a_frozen_weights_grid_is_kept_until_the_weight_is_written_and_never_shared_between_weights():
+    w = torch.randn(8, 16).requires_grad_(False)
+    x, b = torch.randn(3, 16), exact.bits_for(16)
+    first = exact.exact_matmul(x, w)
+    assert exact.weight_grid(w, exact.bits_for(16)) is exact.weight_grid(w, exact.bits_for(16))  # kept
+    w.view(-1).view(torch.uint8)[:4].copy_(torch.zeros(4, dtype=torch.uint8))  # a sync into a byte view
+    w.copy_(torch.randn(8, 16))
+    assert not torch.equal(exact.exact_matmul(x, w), first)
+    assert torch.equal(exact.exact_matmul(x, w), (exact.to_grid(x, b) @ exact.to_grid(w, b).T).float())
+    other = torch.randn(8, 16).requires_grad_(False)  # another weight of the same shape and version
+    assert torch.equal(exact.exact_matmul(x, other), (exact.to_grid(x, b) @ exact.to_grid(other, b).T).float())
