@@ -94,20 +94,21 @@ def _weighted_values(pq, v, qpos):
         pq, v = F.pad(pq, (0, pad)), F.pad(v, (0, 0, 0, pad))
     vb = v.view(B, H, nblk, KB, D)
     top = vb.abs().cummax(3).values  # a column's largest |v| in its block up to each key
-    full = _on_grid(vb, top[:, :, :, -1:])  # whole blocks: the grid of the block's largest value
-    per_block = pq.view(B, H, T, nblk, KB).transpose(2, 3) @ full  # [B, H, nblk, T, D], exact
-    c_t, r_t = (qpos // KB)[:, None, :], (qpos % KB)[:, None, :]  # the query's own block and its place there
-    idx = c_t[..., None, None].expand(B, H, T, KB, D)
-    mine = torch.gather(vb, 2, idx)  # [B, H, T, KB, D]: each query's own block, keys past it zeroed
-    mine = torch.where(torch.arange(KB, device=v.device)[:, None] <= r_t[..., None, None], mine, 0.0)
-    grid_top = torch.gather(top, 2, idx).gather(3, r_t[..., None, None].expand(B, H, T, 1, D))  # up to t
-    p_mine = torch.gather(pq.view(B, H, T, nblk, KB), 3, c_t[..., None, None].expand(B, H, T, 1, KB))[:, :, :, 0]
-    step = _grid_step(grid_top)[:, :, :, 0]  # [B, H, T, D]
-    diagonal = (p_mine[..., None] * torch.round(mine.double() / step[:, :, :, None])).sum(-2) * step  # exact
+    per_block = pq.view(B, H, T, nblk, KB).transpose(2, 3) @ _on_grid(vb, top[:, :, :, -1:])  # whole blocks, exact
+    # each query's own block, keys past the query zeroed, on the grid of its largest value up to the query
+    c_t, r_t = (qpos // KB)[:, None, :].expand(B, H, T), (qpos % KB)[:, None, :].expand(B, H, T)
+    rows = (torch.arange(B * H, device=v.device).view(B, H, 1) * nblk + c_t).reshape(-1)  # (b, h, block) per query
+    mine = vb.reshape(B * H * nblk, KB, D).index_select(0, rows)  # [B*H*T, KB, D]
+    keep = torch.arange(KB, device=v.device)[None, :, None] <= r_t.reshape(-1, 1, 1)
+    mine = torch.where(keep, mine, 0.0)
+    up_to_t = top.reshape(B * H * nblk * KB, D).index_select(0, rows * KB + r_t.reshape(-1))  # [B*H*T, D]
+    p_mine = pq.view(B * H * T, nblk, KB)[torch.arange(B * H * T, device=v.device), c_t.reshape(-1)]
+    step = _grid_step(up_to_t)
+    diagonal = (p_mine[..., None] * torch.round(mine.double() * step.reciprocal()[:, None])).sum(1) * step
     blk = torch.arange(nblk, device=v.device)[:, None]
-    per_block = per_block.permute(0, 1, 3, 2, 4)  # [B, H, T, nblk, D]
+    own = c_t[..., None, None]
     parts = torch.where(
-        blk < c_t[..., None, None], per_block, torch.where(blk == c_t[..., None, None], diagonal[:, :, :, None], -0.0)
+        blk < own, per_block.permute(0, 1, 3, 2, 4), torch.where(blk == own, diagonal.view(B, H, T, 1, D), -0.0)
     )
     return exact.tree_sum(parts, -2)
 
@@ -118,9 +119,9 @@ def _grid_step(top):
 
 
 def _on_grid(x, top):
-    """x (FP32) rounded to multiples of the grid step of ``top``, as FP64 (divisions by powers of two: exact)."""
+    """x (FP32) rounded to multiples of the grid step of ``top``, as FP64 (scalings by powers of two: exact)."""
     step = _grid_step(top)
-    return torch.round(x.double() / step) * step
+    return torch.round(x.double() * step.reciprocal()) * step
 
 
 def token_log_probs(logits_RV: torch.Tensor, tokens_R: torch.Tensor, temperature_R: torch.Tensor) -> torch.Tensor:
