@@ -10,6 +10,12 @@
 # mode-on mismatch is not 0, the JSON carries the first differing token and the first differing layer and op.
 # From the repository root (carry: [".gpubundle"] when the offline bundle is needed):
 #   bash benchmarks/gpu_true_on_policy.sh "$OUT"
+# Expected: tests.txt all passed; real.json "real": on.max 0.0 (off max ~0.5, mean ~0.04 as in issue 33);
+# timing-*.json: on.mismatch.max 0.0, off > 0, rollout_s_on_over_off and train_step_s_on_over_off (target <= 1.5).
+# Keep $OUT/real.json as benchmarks/results/true-on-policy.gpu.json (notebooks/11_objectives.ipynb reads it).
+# What it does to learning is a second device call (two smollm2_math runs side by side, same seed, 6 minutes):
+#   bash benchmarks/gpu_side_by_side.sh "$OUT" 6 off=smollm2_math,seed=0 on=smollm2_math,seed=0,true_on_policy=true
+#   then keep $OUT/off.json and $OUT/on.json as benchmarks/results/true-on-policy-smollm2_math-{off,on}.gpu.json
 set -o pipefail
 OUT=${1:?usage: bash benchmarks/gpu_true_on_policy.sh OUT_DIR}
 mkdir -p "$OUT"

@@ -98,7 +98,7 @@ def _free(device: str) -> None:
 
 
 def _requests(rows: int, prompt: int, new: int, group: int, vocab: int, seed: int = 0) -> list:
-    from miles.rollout.engine import GenerateRequest, SamplingParams
+    from miles.protocols.engine import GenerateRequest, SamplingParams
 
     g = torch.Generator().manual_seed(seed)
     prompts = torch.randint(1, vocab, (-(-rows // group), prompt), generator=g).tolist()
@@ -223,7 +223,7 @@ def real_weights(path: str, a, device: str) -> dict:
     load_s = time.perf_counter() - t0
     prompts = _chat_prompts(load_tokenizer(base.tokenizer), n_prompts)
     cfg = ModelConfig(**(cfg.as_dict() | {"max_position_embeddings": max(map(len, prompts)) + new}))
-    from miles.rollout.engine import GenerateRequest, SamplingParams
+    from miles.protocols.engine import GenerateRequest, SamplingParams
 
     sp = SamplingParams(max_new_tokens=new, temperature=1.0)
     reqs = [GenerateRequest(rid=f"{i}", input_ids=prompts[i // 8], sampling=sp) for i in range(8 * len(prompts))]

@@ -436,6 +436,16 @@ def move_ray_address(cfg: RunConfig) -> None:
     cfg.ray_address = ""
 
 
+# Why the Megatron trainer has no true_on_policy (README: the train/inference mismatch): said once, here.
+MEGATRON_NOT_INVARIANT = (
+    "trainer.backend = 'megatron' (Megatron-core's GPTModel computes the forward with its own modules: torch "
+    "RMSNorm, Column/RowParallelLinear's own matmul, DotProductAttention, rotary from cos/sin it computes on the "
+    "device, none of them row-invariant; and with tensor parallelism RowParallelLinear adds the ranks' partial "
+    "sums in NCCL's all-reduce order, which no one-device engine reproduces): use trainer.backend=torch (FSDP2 "
+    "shards the weights, not the sums)"
+)
+
+
 def check_true_on_policy(cfg: RunConfig) -> None:
     """true_on_policy needs both sides on miles' own kernels: the embedded engine (in process or behind `miles
     serve`), the torch trainer, no low-precision Linear recipe."""
@@ -445,11 +455,7 @@ def check_true_on_policy(cfg: RunConfig) -> None:
     if cfg.rollout.engine == "sglang":
         why.append("rollout.engine = 'sglang' (SGLang's kernels are not miles'): use rollout.engine=embedded or http")
     if cfg.trainer.backend == "megatron":
-        why.append(
-            "trainer.backend = 'megatron' (Megatron-core's ColumnParallel/RowParallel linears, its RMSNorm, core "
-            "attention and rotary run their own kernels, with reduction orders set by the batch shape): use "
-            "trainer.backend=torch"
-        )
+        why.append(MEGATRON_NOT_INVARIANT)
     if cfg.trainer.precision != "bf16":
         why.append(
             f"trainer.precision = {cfg.trainer.precision!r} (quantized Linear matmuls): use trainer.precision=bf16"

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from miles.config import TrainerConfig
+from miles.config import MEGATRON_NOT_INVARIANT, TrainerConfig
 from miles.memory import MemoryLedger, TaggedMemory
 from miles.model.config import ModelConfig
 from miles.model.decoder import DTYPES, build_decoder
@@ -221,7 +221,7 @@ class MegatronBackend(TorchBackend):
         world_size > 1 (with one rank it is Megatron's distributed-optimizer code path over a group of one).
         ``true_on_policy`` is refused: GPTModel's forward runs Megatron's own modules (see RunConfig's check)."""
         if true_on_policy:
-            raise ValueError("true_on_policy needs trainer.backend=torch: Megatron's GPTModel runs its own kernels")
+            raise ValueError(f"true_on_policy = true needs {MEGATRON_NOT_INVARIANT}")
         mc = import_megatron()
         self.device = torch.device(device)
         if self.device.type != "cuda":

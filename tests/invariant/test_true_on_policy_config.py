@@ -23,3 +23,12 @@ def test_true_on_policy_is_refused_with_a_side_that_runs_other_kernels(override,
 def test_true_on_policy_is_a_run_config_switch_that_defaults_off():
     assert quickstart().true_on_policy is False
     assert apply_overrides(quickstart(), ["true_on_policy=true", "rollout.engine=http"]).true_on_policy is True
+
+
+def test_the_megatron_backend_refuses_true_on_policy_itself_with_the_reason():
+    from miles.config import TrainerConfig
+    from miles.train.megatron_backend import MegatronBackend
+    from tests.conftest import tiny_model
+
+    with pytest.raises(ValueError, match="RowParallelLinear adds the ranks' partial sums in NCCL's all-reduce order"):
+        MegatronBackend(tiny_model(), TrainerConfig(), device="cpu", true_on_policy=True)

@@ -87,7 +87,8 @@ def _cfg(arch: str):
 
 def _rollout_and_score(cfg, *, slots=24, prompts=12, n=4, seed=3, backend=None, eng=None):
     from miles.config import TrainerConfig
-    from miles.rollout.engine import EmbeddedEngine, GenerateRequest, SamplingParams
+    from miles.protocols.engine import GenerateRequest, SamplingParams
+    from miles.rollout.engine import EmbeddedEngine
     from miles.samples import collate
     from miles.train.torch_backend import TorchBackend
     from tests.invariant.onpolicy import prompts as make_prompts
