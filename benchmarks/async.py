@@ -34,6 +34,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from miles.async_plan import predict
+
 # both arms and the reference run this (it uses only what the synchronous loop's checkout has as well)
 IN_PROCESS = """
 import sys, torch
@@ -87,7 +89,34 @@ def summary(arm: dict) -> dict:
     for key in ("async/staleness_mean", "async/staleness_max", "async/version_span_max", "async/wait_s"):
         if key in rl[0]:
             out[key.split("/")[1] + "_per_step"] = [round(r[key], 4) for r in rl]
+    if "async/staleness_mean" in rl[0]:  # measured: each step's mean, and the p95 over steps (miles.async_plan)
+        per_step = sorted(r["async/staleness_mean"] for r in rl)
+        out["staleness_mean"] = round(statistics.fmean(per_step), 4)
+        out["staleness_p95"] = per_step[max(0, -(-95 * len(per_step) // 100) - 1)]
     return out | {k: arm[k] for k in ("wall_s", "load_before", "load_after")}
+
+
+def predicted(sync_rows: list[dict], arms: list[int], ray: bool) -> dict:
+    """miles.async_plan's prediction of each async arm from the sync arm's measured medians: in one process the
+    rollout ahead runs before the train step (no overlap: one core's worth); on Ray beside it, on the machine's
+    cores."""
+    rates = {
+        "rollout_s": statistics.median(r["time/rollout"] for r in sync_rows),
+        "train_s": statistics.median(r["train_time"] for r in sync_rows),
+        "sync_s": statistics.median(r.get("sync/seconds", 0.0) for r in sync_rows),
+    }
+    cores = (os.cpu_count() or 1) if ray else 1
+    out = {"rates": {k: round(v, 4) for k, v in rates.items()}, "shared_cores": cores}
+    for k in arms:
+        if k:
+            p = predict(**rates, max_staleness=k, num_steps=len(sync_rows), shared_cores=cores)
+            out[f"staleness_{k}"] = {
+                "staleness_mean": p.staleness_mean,
+                "staleness_p95": p.staleness_p95,
+                "step_s": round(p.step_s, 3),
+                "speedup": round(p.speedup, 3),
+            }
+    return out
 
 
 def identical(a: dict, b: dict) -> dict:
@@ -149,6 +178,8 @@ def run(argv: list[str]) -> dict:
             ref = run_arm(args.recipe, seed, common, Path(args.reference), args.ray, args.timeout)
             entry["reference"] = summary(ref)
             entry["staleness_0_vs_reference"] = identical(per[0], ref)
+        if 0 in per and len(arms) > 1:
+            entry["predicted"] = predicted(per[0]["rows"], arms, args.ray)
         if 0 in per and len(arms) > 1 and "time/step" in per[0]["rows"][0]:
             entry["step_time_ratio"] = {
                 f"staleness_{k}": round(

@@ -91,6 +91,7 @@ LAYERS = [
             ("miles/policy/", "log-probs, losses, advantages, KL"),
             ("miles/group_buffer.py", "groups between engine and trainer, admitted within max_staleness"),
             ("miles/staleness.py", "per-token weight versions -> staleness, version spans"),
+            ("miles/async_plan.py", "predicted staleness and async step time from measured rates"),
             ("miles/run_dir.py", "the run directory, under a lock"),
             ("miles/rollout_dump.py", "rollouts/step_N columns"),
             ("miles/checkpoints.py", "checkpoints/step_N"),

@@ -79,7 +79,28 @@ def parser() -> ArgParser:
     )
     p.add_argument("--steps", type=_steps, default=2, help=f"RL steps to replay after init (0..{MAX_STEPS}; default 2)")
     p.add_argument("--json", action="store_true", help="print the plans as JSON (every step's bytes) instead of tables")
+    p.add_argument(
+        "--measured",
+        default=None,
+        metavar="METRICS_JSONL",
+        help="a run's metrics.jsonl (a synchronous run of the recipe): its rollout, train and sync seconds predict "
+        "the async step time (async.max_staleness > 0; miles.async_plan)",
+    )
     return p
+
+
+def async_prediction(cfg, measured: str | None, hw_name: str):
+    """The async run's staleness (and its step time from measured rates), or None for a synchronous run."""
+    import os
+
+    from miles.async_plan import measured_rates, predict
+
+    k = cfg.async_.max_staleness
+    if not k:
+        return None
+    rates = measured_rates(measured) if measured else {"rollout_s": 0.0, "train_s": 0.0, "sync_s": 0.0}
+    cores = (os.cpu_count() or 1) if hw_name == "cpu" else 0  # one machine's cores shared by both sides
+    return predict(**rates, max_staleness=k, num_steps=cfg.num_steps, shared_cores=cores)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         auto = dict(zip(("mode", "reason"), choose_mode(cfg, hw)))
     except ValueError as e:
         auto = {"mode": None, "reason": str(e)}
+    stale = async_prediction(cfg, args.measured, hw.name)
     fits = [r.mode for r in reports if r.fits_device and r.fits_host]
     code = 0 if fits else EXIT_DOES_NOT_FIT
     if args.json:
@@ -108,10 +130,16 @@ def main(argv: list[str] | None = None) -> int:
             "auto": auto,
             "plans": {r.mode: report_dict(r) for r in reports},
         }
+        if stale is not None:
+            out["async"] = {k: v for k, v in asdict(stale).items() if k != "staleness"}
         print(json.dumps(out, indent=1))
         return code
     print("\n\n".join(report_table(r) for r in reports))
     print(f"\n{_auto_line(reports, auto)}\n{hw.note}")
+    if stale is not None:
+        from miles.async_plan import describe
+
+        print(describe(stale, cfg.async_.max_staleness))
     planned = ", ".join(f"{r.mode} {'fits' if r.mode in fits else 'does NOT fit'}" for r in reports)
     print(f"on {hw.name}: {planned} (exit {code})")  # the last line agrees with the exit status
     return code
