@@ -85,6 +85,9 @@ def synthetic_sample(
         "train_log_probs": train.tolist(),
         "advantages": np.full(response_len, advantage).tolist(),
         "entropy": rng.gamma(2.0, 0.4, response_len).tolist(),
+        # an async run's in-flight update: from step 1 on the first half of a response was sampled a version before
+        "weight_versions": [max(0, weight_version - 1)] * (response_len // 2)
+        + [weight_version] * (response_len - response_len // 2),
     }
 
 

@@ -284,3 +284,20 @@ def test_reward_timeouts_and_errors_show_on_the_metrics_tab_with_their_meaning(b
         assert "raised or returned a non-finite number" in title
         assert "REWARD" in p.eval_on_selector_all("#metrics-groups h2", "hs => hs.map((h) => h.innerText)")  # its group
         p.close()
+
+
+def test_the_strip_colours_tokens_by_weight_version_older_lighter(page):
+    """Step 3's long sample crossed an update halfway through its response (versions 2 then 3): coloured by weight
+    version, the first half's tokens are a lighter shade than the second half's, and the tooltip names the version."""
+    open_long_sample(page)
+    wait_scrolled(page)
+    page.select_option("#color-by", "weight_versions")
+    classes = page.evaluate(f"""() => {{ const s = window.miles.strip, d = window.miles.data;
+        const half = {LONG_PROMPT} + Math.floor((d.n - {LONG_PROMPT}) / 2);
+        return [s.span({LONG_PROMPT}).className, s.span(half - 1).className, s.span(half).className,
+                s.span(d.n - 1).className, s.span({LONG_PROMPT} - 1).className]; }}""")
+    level = lambda c: int(next(x for x in c.split() if x.startswith("seq"))[3:])  # noqa: E731
+    assert level(classes[0]) == level(classes[1]) < level(classes[2]) == level(classes[3])
+    assert not any(x.startswith("seq") for x in classes[4].split())  # a prompt token: not sampled, no version
+    assert page.inner_text("#legend").startswith("v2") and "v3" in page.inner_text("#legend")
+    shot(page, "sample_weight_versions")

@@ -309,7 +309,8 @@ class Dashboard {
       `train logp     ${f(d.stats.train_log_probs[i])}`,
       `train−rollout  ${prompt ? "–" : f(d.stats.diff[i])}`,
       `advantage      ${f(d.stats.advantages[i])}`,
-      `entropy        ${f(d.stats.entropy[i])}`].join("\n");
+      `entropy        ${f(d.stats.entropy[i])}`,
+      `weight version ${Number.isFinite(d.stats.weight_versions[i]) ? d.stats.weight_versions[i] : "–"}`].join("\n");
   }
 
   // The Sample tab never opens empty: without a chosen sample it shows the latest step's first one, and says so.
@@ -381,11 +382,12 @@ class Dashboard {
   updateLegend() {
     const stat = this.strip.stat;
     if (!this.data || stat === "none") { $("legend").innerHTML = ""; return; }
-    const { scale } = colorScale(this.data, stat);
+    const { scale, low } = colorScale(this.data, stat);
     const bar = STATS[stat].diverging ? "linear-gradient(90deg, rgba(37,99,235,.8), #fff, rgba(220,38,38,.8))"
       : "linear-gradient(90deg, #fff, rgba(124,58,237,.8))";
-    const lo = STATS[stat].diverging ? formatValue(-scale) : "0";
-    $("legend").innerHTML = `${lo}<span class="bar" style="background:${bar}"></span>${formatValue(scale)}`;
+    const lo = STATS[stat].diverging ? formatValue(-scale) : low !== undefined ? `v${low}` : "0";
+    const hi = low !== undefined ? `v${scale}` : formatValue(scale);
+    $("legend").innerHTML = `${lo}<span class="bar" style="background:${bar}"></span>${hi}`;
   }
 
   visibleTokens() {

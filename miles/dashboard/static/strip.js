@@ -21,6 +21,9 @@ export const STATS = {
   advantages: { label: "advantage", diverging: true },
   entropy: { label: "entropy", diverging: false },
   rollout_log_probs: { label: "rollout log-prob", diverging: false },
+  // the weight version each token was sampled under (an async run's in-flight updates): coloured by its rank among
+  // the sample's versions, the oldest lightest and the newest darkest; -1 (not known) is left white
+  weight_versions: { label: "weight version", diverging: false, versions: true },
   none: { label: "none", diverging: false },
 };
 
@@ -44,13 +47,15 @@ export function parseSample(buffer) {
   // train − rollout exists only where the engine sampled the token: a prompt token has no rollout log-prob (the
   // driver may store 0 there), so its difference is left undefined instead of reading as a -7 nat mismatch
   const promptLen = header.sample.prompt_len;
+  const versions = new Float32Array(n).fill(NaN);
+  if (cols.weight_versions) for (let i = promptLen; i < n; i++) if (cols.weight_versions[i] >= 0) versions[i] = cols.weight_versions[i];
   const diff = new Float32Array(n);
   for (let i = 0; i < n; i++) diff[i] = i < promptLen ? NaN : cols.train_log_probs[i] - cols.rollout_log_probs[i];
   return {
     header, sample: header.sample, n, promptLen, text: cols.token_text, textStart,
     tokens: cols.tokens, mask: cols.loss_mask, parts: tokenParts(header.sample.spans, n),
     stats: { diff, advantages: cols.advantages, entropy: cols.entropy, rollout_log_probs: cols.rollout_log_probs,
-             train_log_probs: cols.train_log_probs },
+             train_log_probs: cols.train_log_probs, weight_versions: versions },
   };
 }
 
@@ -101,6 +106,7 @@ export function colorScale(data, stat) {
   const values = data.stats[stat];
   if (!values) return { scale: 0, color: () => "" };
   installColorClasses();
+  if (STATS[stat].versions) return versionScale(data, values);
   const abs = new Float32Array(data.n - data.promptLen);
   let m = 0;
   for (let i = data.promptLen; i < data.n; i++) if (Number.isFinite(values[i])) abs[m++] = Math.abs(values[i]);
@@ -116,6 +122,21 @@ export function colorScale(data, stat) {
     return (diverging ? (v >= 0 ? "pos" : "neg") : "seq") + k;
   };
   return { scale, color };
+}
+
+// Weight versions: the sample's versions v0 < v1 < ... < vm get levels LEVELS * (j + 1) / (m + 1), so a sample of
+// one version is evenly dark and one that crossed an update shows each version's tokens as a band of its own shade.
+function versionScale(data, values) {
+  let lo = Infinity;
+  let hi = -Infinity;
+  for (let i = data.promptLen; i < data.n; i++) if (Number.isFinite(values[i])) { lo = Math.min(lo, values[i]); hi = Math.max(hi, values[i]); }
+  if (lo > hi) return { scale: 0, color: () => "" };
+  const color = (i) => {
+    const v = values[i];
+    if (i < data.promptLen || !Number.isFinite(v)) return "";
+    return "seq" + Math.round(((v - lo + 1) / (hi - lo + 1)) * LEVELS);
+  };
+  return { scale: hi, low: lo, color };
 }
 
 // The k-th smallest value (quickselect, in place): the percentile without sorting 64k values.
