@@ -31,7 +31,7 @@ def tier(item) -> str:
     (``ray_session`` makes a test ``procs``); unit otherwise."""
     if str(item.path).endswith(".ipynb"):
         return "notebook"
-    if "gpu" in item.keywords:
+    if item.get_closest_marker("gpu"):  # the mark, not a keyword (a parameter id "gpu" is one too)
         return "gpu"
     if item.get_closest_marker("browser"):
         return "browser"
