@@ -57,7 +57,8 @@ class Episode:
     num_malformed: int = 0
     num_truncated: int = 0  # turns cut at max_tokens_per_turn (closed by the template's end token, masked)
     info: dict = field(default_factory=dict)
-    weight_version: int = 0
+    weight_version: int = 0  # of the last turn the engine answered (abort included: it keeps no trained token)
+    answered: bool = False  # the engine answered a turn (a failed reset or an aborted first turn: no)
     pending: dict | None = None  # the parsed assistant message awaiting env.step
     drift: DriftReport | None = None
     finish_reason: str = "stop"
@@ -101,8 +102,10 @@ class Episode:
     def absorb(self, out: GenerateOutput) -> None:
         """The engine's answer to this turn's request: its tokens join the trajectory, its text is parsed."""
         tok, fmt = self.renderer.tok, self.renderer.format
-        self.weight_version, self.finish_reason = out.weight_version, out.finish_reason
+        self.finish_reason = out.finish_reason
         self.num_truncated += out.finish_reason == "length"
+        if out.finish_reason != "abort":  # an abort's version may be made up (the runner's flush answers 0)
+            self.weight_version, self.answered = out.weight_version, True
         if out.finish_reason == "abort":
             self.status, self.error = "aborted", "the engine aborted this turn's request (a flush)"
             self.traj.zero_mask()
@@ -198,6 +201,7 @@ class Episode:
             "loss_mask": mask,
             "spans": t.span_rows(),
             "status": self.status,
+            "answered": self.answered,  # no: no token of it was sampled, so it has no weight version (staleness)
             "error": self.error,
             "error_kind": self.error_kind,
             "num_turns": self.turn,

@@ -97,8 +97,11 @@ class RolloutManager(UpdateCalls):
         for done in [t for t in self.samples_by_step if t < step - self.cfg.async_.max_staleness - 1]:
             del self.samples_by_step[done]  # the dump of step t is read before step t + max_staleness + 2 starts
         metrics = rollout_metrics(samples) | rounds.metrics() | extra
-        metrics |= {"time/rollout": time.perf_counter() - t0, "weight_version": samples[0].weight_version}
-        metrics |= staleness_metrics(step, [sample_versions(s) for s in samples])  # trained at step: version step
+        sampled = [s for s in samples if s.metadata.get("answered", True)]  # an env episode that failed first: no
+        version = max((s.weight_version for s in sampled), default=step)
+        metrics |= {"time/rollout": time.perf_counter() - t0, "weight_version": version}
+        # trained at step (version step); a sample the engine never answered has no token to be stale
+        metrics |= staleness_metrics(step, [sample_versions(s) for s in sampled] or [[version]])
         metrics |= engine_health(self.engines)
         return to_shards(samples, self.tokenizer.pad_token_id, self.cfg.trainer.world_size), metrics
 

@@ -119,10 +119,18 @@ def test_a_flush_aborts_the_turn_in_flight_and_counts_the_aborted_episodes(tmp_p
                   "env.max_turns=50", "rollout.temperature=1.0", "model.vocab_size=264")  # fmt: skip
     m = RolloutManager(cfg, "cpu", sources=make_sources)
     runner = m.source.runner
-    timer = threading.Timer(0.5, runner.flush)
-    timer.start()
+    engine = runner.engines[0]
+    first_call = engine.generate
+    flusher = threading.Thread(target=lambda: (time.sleep(0.02), runner.flush()))
+
+    def generate_with_a_flush_in_flight(requests, **kw):  # the flush lands while the first turn's call runs
+        engine.generate = first_call
+        flusher.start()
+        return first_call(requests, **kw)
+
+    engine.generate = generate_with_a_flush_in_flight
     _, metrics = m.generate(0)
-    timer.cancel()
+    flusher.join()
     assert runner.num_flushes == 1
     assert metrics["env/episodes_aborted"] >= 1
     for s in m.last_samples:
