@@ -27,6 +27,7 @@ from miles.model.config import ModelConfig
 from miles.model.lora_config import check_run as check_lora_run
 from miles.placement import ClusterConfig, check_cluster
 from miles.policy.objective import check_objective, check_rollout, check_trainer
+from miles.ports import port_range
 from miles.trackers import LogConfig
 
 ROLLOUT_LEVELS = ("kv_cache", "weight")
@@ -288,19 +289,7 @@ class AgentConfig:
 
 def parse_ports(spec: str) -> list[int]:
     """``"8100"`` -> [8100]; ``"8100-8103"`` -> [8100, 8101, 8102, 8103]; ``""`` -> []."""
-    spec = spec.strip()
-    if not spec:
-        return []
-    lo, sep, hi = spec.partition("-")
-    try:
-        first, last = int(lo), int(hi) if sep else int(lo)
-    except ValueError:
-        raise ValueError(
-            f"agents.session_ports = {spec!r} should be one port ('8100') or a range ('8100-8103')"
-        ) from None
-    if not 1 <= first <= last <= 65535:
-        raise ValueError(f"agents.session_ports = {spec!r}: need 1 <= first <= last <= 65535")
-    return list(range(first, last + 1))
+    return port_range(spec, "agents.session_ports", "8100")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -9,6 +9,7 @@ binding it before it is returned.
 
     port = free_port()                 # one port
     first = free_ports(3)              # first, first + 1, first + 2 all free
+    port_range("8100-8103", "agents.session_ports", "8100")   # [8100, 8101, 8102, 8103]
 """
 
 from __future__ import annotations
@@ -53,3 +54,21 @@ def free_ports(n: int = 1, host: str = "127.0.0.1", tries: int = 200) -> int:
 
 def free_port(host: str = "127.0.0.1") -> int:
     return free_ports(1, host)
+
+
+def port_range(spec: str, field: str, example: str) -> list[int]:
+    """A config's ports: ``"8100"`` -> [8100]; ``"8100-8103"`` -> [8100, ..., 8103]; ``""`` -> [] (free ports).
+    ``field`` and ``example`` (one port) name the setting in the error."""
+    spec = spec.strip()
+    if not spec:
+        return []
+    lo, sep, hi = spec.partition("-")
+    try:
+        first, last = int(lo), int(hi) if sep else int(lo)
+    except ValueError:
+        raise ValueError(
+            f"{field} = {spec!r} should be one port ('{example}') or a range ('{example}-{int(example) + 3}')"
+        ) from None
+    if not 1 <= first <= last <= 65535:
+        raise ValueError(f"{field} = {spec!r}: need 1 <= first <= last <= 65535")
+    return list(range(first, last + 1))

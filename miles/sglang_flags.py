@@ -21,6 +21,8 @@ import re
 from collections.abc import Callable
 from urllib.parse import urlparse
 
+from miles.ports import port_range
+
 STANDIN = "miles-serve"  # rollout.sglang_launcher value: `miles serve` accepting SGLang's argv (CPU, CI)
 DEFAULT_MEM_FRACTION = "0.5"  # colocated with a trainer: half the device for weights + KV cache
 
@@ -154,19 +156,7 @@ def _is_number(value: str) -> bool:
 
 def parse_port_range(spec: str) -> list[int]:
     """``"30000-30003"`` -> [30000, ..., 30003]; ``"30000"`` -> [30000]; ``""`` -> [] (free ports)."""
-    spec = spec.strip()
-    if not spec:
-        return []
-    lo, sep, hi = spec.partition("-")
-    try:
-        first, last = int(lo), int(hi) if sep else int(lo)
-    except ValueError:
-        raise ValueError(
-            f"rollout.sglang_ports = {spec!r} should be a port ('30000') or a range ('30000-30007')"
-        ) from None
-    if not 1 <= first <= last <= 65535:
-        raise ValueError(f"rollout.sglang_ports = {spec!r}: need 1 <= first <= last <= 65535")
-    return list(range(first, last + 1))
+    return port_range(spec, "rollout.sglang_ports", "30000")
 
 
 def sglang_server_flags(rollout, handoff, model_checkpoint: str, port: int, host: str = "127.0.0.1") -> list[str]:
