@@ -251,7 +251,10 @@ def test_follow_mode_shows_new_steps_and_metrics_live(browser, tmp_path):
         p.wait_for_selector("#step-select option[value='2']", state="attached", timeout=30_000)
         p.wait_for_selector("#rollout-table tr[data-row='3']", timeout=30_000)  # the table follows the newest step
         p.click("#tabs button[data-tab='metrics']")
-        p.wait_for_function("document.querySelector(\".card[data-metric='reward'] .title span\").innerText === '0.7'")
+        # null-safe: the card is drawn after the tab opens, and a predicate that throws ends the wait at once
+        p.wait_for_function(
+            "document.querySelector(\".card[data-metric='reward'] .title span\")?.innerText === '0.7'", timeout=30_000
+        )
         p.close()
     shutil.rmtree(tmp_path, ignore_errors=True)
 
