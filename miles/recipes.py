@@ -338,6 +338,31 @@ def quickstart_tools() -> RunConfig:
     return RunConfig.from_dict(d)
 
 
+def quickstart_async() -> RunConfig:
+    """The quickstart trained asynchronously: generation runs up to 2 weight versions ahead of training
+    (``async.max_staleness=2``), trainer and engine side by side. Two settings differ from the quickstart, both
+    from what seed 2 did at staleness 2 (BENCHMARKS.md, async section; the 3 seeds measured with them there):
+
+    - ``trainer.rollout_correction=tis`` (the behaviour weight w = p_proximal / p_engine truncated at the cap)
+      rather than ``decoupled`` (w zeroed above the cap): the tokens over the cap are those the policy moved onto
+      since the engine sampled them, and zeroing them drops the negative advantages that would pull it back. Under
+      decoupled the entropy ran away (0.9 -> 1.6 in 6 steps at lr 1e-3; 0.95 -> 3.3 in 7 at 5e-4) while 23-42 %
+      of the weight mass sat over the cap; seq-mis did the same; under tis it fell as in the synchronous run.
+    - ``trainer.lr_schedule=cosine`` down to 0.1 x lr: at a constant lr the policy moves further per step as its
+      entropy falls (KL between the sampling and the trained policy 0.3-0.55 nats per token over the last 30
+      steps, entropy 0.25 -> 0.12), so a two-step-old sample comes from a policy the trainer has left, and the reward
+      fell back (tis, seed 2: 0.62 over steps 50-59, 0.48 over 90-99); decayed, that KL ends at 0.02-0.05.
+
+    ``--set async.max_staleness=0`` gives the synchronous loop with the same settings (the comparison arm of
+    ``miles bench async --recipe quickstart_async --arms 2,0``)."""
+    d = quickstart().to_dict()
+    d.update(recipe="quickstart_async", run_dir="runs/quickstart_async")
+    d["async"].update(max_staleness=2)
+    d["handoff"].update(offload_train="none", offload_rollout=False)  # generation and training overlap
+    d["trainer"].update(rollout_correction="tis", lr_schedule="cosine", lr_min_ratio=0.1)
+    return RunConfig.from_dict(d)
+
+
 def smollm2_tools() -> RunConfig:
     """SmolLM2-135M-Instruct learns to use a calculator on held-out multi-step arithmetic (miles.envs.calculator, levels
     1-3: a*b+c, a*b+c*d, (a+b)*c-d*e with 2-3 digit numbers): the calculator environment with Hermes <tool_call> JSON
@@ -379,6 +404,7 @@ RECIPES = {
     "smollm2_math": smollm2_math,
     "smollm2_tools": smollm2_tools,
     "quickstart_tools": quickstart_tools,
+    "quickstart_async": quickstart_async,
     "gb300_dsv4_flash_plan": gb300_dsv4_flash_plan,
     "gb300_kimi_k2_plan": gb300_kimi_k2_plan,
     "gb300_qwen3_235b_plan": gb300_qwen3_235b_plan,

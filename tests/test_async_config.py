@@ -8,7 +8,7 @@ import pytest
 
 from miles.config import RunConfig, apply_overrides
 from miles.config_doc import config_toml
-from miles.recipes import quickstart
+from miles.recipes import get_recipe, quickstart
 
 RESIDENT = ["handoff.offload_train=none", "handoff.offload_rollout=false"]
 
@@ -47,3 +47,11 @@ def test_what_async_cannot_do_is_refused_with_the_fix(overrides, message):
 def test_training_without_a_correction_is_allowed_when_asked_for():
     cfg = apply_overrides(quickstart(), ["async.max_staleness=1", "async.allow_uncorrected=true", *RESIDENT])
     assert cfg.trainer.rollout_correction == "none"
+
+
+def test_quickstart_async_is_the_quickstart_at_staleness_2_with_truncated_weights_and_a_cosine_lr():
+    cfg = get_recipe("quickstart_async")
+    sets = ["async.max_staleness=2", "trainer.rollout_correction=tis", "trainer.lr_schedule=cosine"]
+    same = apply_overrides(quickstart(), [*sets, "trainer.lr_min_ratio=0.1", *RESIDENT])
+    assert cfg.to_dict() | {"recipe": "", "run_dir": ""} == same.to_dict() | {"recipe": "", "run_dir": ""}
+    assert apply_overrides(cfg, ["async.max_staleness=0"]).async_.max_staleness == 0  # the sync arm, same settings
