@@ -346,7 +346,7 @@ def quickstart_async() -> RunConfig:
     - ``trainer.rollout_correction=tis`` (the behaviour weight w = p_proximal / p_engine truncated at the cap)
       rather than ``decoupled`` (w zeroed above the cap): the tokens over the cap are those the policy moved onto
       since the engine sampled them, and zeroing them drops the negative advantages that would pull it back. Under
-      decoupled the entropy ran away (0.9 -> 1.6 in 6 steps at lr 1e-3; 0.95 -> 3.3 in 7 at 5e-4) while 23-42 %
+      decoupled the entropy ran away (0.9 -> 1.6 in 6 steps at lr 1e-3; 0.95 -> 3.3 in 7 at 5e-4) while up to 38-42 %
       of the weight mass sat over the cap; seq-mis did the same; under tis it fell as in the synchronous run.
     - ``trainer.lr_schedule=cosine`` down to 0.1 x lr: at a constant lr the policy moves further per step as its
       entropy falls (KL between the sampling and the trained policy 0.3-0.55 nats per token over the last 30
