@@ -22,6 +22,7 @@ from miles.train.actor import TrainGroup, resolve_device
 
 log = logging.getLogger("miles")
 
+GENERATE_GROUP = "generate"  # the rollout actor's concurrency group for generate under async.partial_rollout
 PG_READY_TIMEOUT_S = {"local": 120.0, "cluster": 1800.0}  # a joined cluster may be starting nodes (autoscaler)
 
 
@@ -211,6 +212,10 @@ class Cluster(PlanExecutor):
         # here holding no model, which the plan's trainer.build step creates
         # the engine side of rdt: its receive call waits inside the actor while Ray's transfer needs a second slot
         rdt = cfg.sync.transport == "rdt"
+        # partial rollouts: the generate calls run one at a time, in order, in their own concurrency group, so the
+        # sync's calls (pause, buckets, commit, continue) reach the actor while a rollout generates on its compute
+        # thread; the engine's lock lands the update between two decode steps (miles.rollout.decode_loop)
+        partial = cfg.async_.partial_rollout
         self.dead: set[str] = set()  # "rollout", "trainer": stopped by the watchdog
         self.data_states: dict[
             int, dict
@@ -218,12 +223,13 @@ class Cluster(PlanExecutor):
         self.watchdog = Watchdog(cfg.watchdog_s, cfg.run_dir, stop=self.abort)
         env = self.watchdog.env()  # the actors, and every process they start, register with it (miles.stall.heartbeat)
         self.engine_hosts = start_engine_hosts(cfg, self.device, env)  # servers on other nodes (cluster.engine_nodes)
+        manager = ray.remote(concurrency_groups={GENERATE_GROUP: 1})(RolloutManager) if partial else RolloutManager
         self.rollout = (
-            ray.remote(RolloutManager)
+            (manager if partial else ray.remote(manager))
             .options(
                 num_cpus=0.01,
                 num_gpus=0.45 * gpu,
-                **actor_options(2 if rdt else 1, env),  # one torch thread: miles/threads.py
+                **actor_options(2 if rdt or partial else 1, env),  # one torch thread: miles/threads.py
                 **({"enable_tensor_transport": True} if rdt else {}),
                 **rollout_scheduling(cfg, self.pg),  # trainer rank 0's bundle, or cluster.rollout_node
             )
@@ -267,6 +273,8 @@ class Cluster(PlanExecutor):
     def submit_generate(self, step: int):
         """Start the rollout of RL step ``step`` on the rollout actor; ``collect`` waits for it (async runs start
         several ahead: miles.rollout_window)."""
+        if self.cfg.async_.partial_rollout:
+            return self.rollout.generate.options(concurrency_group=GENERATE_GROUP).remote(step)
         return self.rollout.generate.remote(step)
 
     def collect(self, pending, step: int, untrained: int | None = None):

@@ -48,6 +48,14 @@ class Colocated(PlanExecutor):
                 f"Colocated runs one trainer rank; trainer.world_size = {cfg.trainer.world_size}: use "
                 f"miles.cluster.Cluster for more ranks"
             )
+        if cfg.async_.partial_rollout:
+            raise ValueError(
+                "async.partial_rollout = true lands weight updates while a rollout generates, which needs the "
+                "rollout running beside the trainer (Ray actors, miles.cluster.Cluster); in one process each "
+                "rollout runs to its end before training: run on Ray (`miles train`, miles.driver.train), not in one "
+                "process (train_in_process), or set "
+                "async.partial_rollout=false"
+            )
         self.cfg, self.device = cfg, device
         self.manager = self.rollout = RolloutManager(cfg, device, sources=make_sources)
         self.trainer = LocalTrainer(self)

@@ -10,9 +10,11 @@ so (``before_sync``); when the driver asks for step ``s`` the engines hold versi
 - ``max_staleness = k``, no partial rollouts: version ``s + 1`` reaches the engines only after every rollout started
   under an older one has finished, so step ``t`` is sampled under version ``max(first_step, t - k)`` exactly,
   whatever the timings; the run is deterministic for a seed, and each step trains while the next ones generate.
-- partial rollouts (an update landing inside a rollout, between two decode steps) are not sent by the loop yet:
-  ``async.partial_rollout`` is refused (miles.async_config); the engine side exists (per-token versions, KV kept or
-  recomputed: tests/rollout).
+- ``async.partial_rollout``: ``before_sync`` does not wait; version ``s + 1`` lands between two decode steps of
+  the rollouts generating (miles.cluster runs them in their own concurrency group of the rollout actor), their rows
+  continue under it with the KV kept or recomputed (``async.kv_on_update``), and every token carries its version.
+  Step ``t`` starts under ``v >= t - k`` and versions only increase, so the bound holds; where an update lands
+  depends on timing, so such a run is not deterministic for a seed. Ray only (miles.colocated refuses it).
 
     window = RolloutWindow(cluster, cfg, first_step)
     for step in range(first_step, cfg.num_steps):
@@ -35,6 +37,7 @@ class RolloutWindow:
         (batches, metrics)); the plan's init sync has given the engines version ``first_step``."""
         a = cfg.async_
         self.c, self.last = cluster, cfg.num_steps - 1
+        self.partial = a.partial_rollout
         self.buffer = GroupBuffer(a.max_staleness, groups_per_step=1, first_step=first_step)
         self.version = first_step  # the engines' version
         self.pending: dict[int, object] = {}  # step -> its rollout in flight
@@ -53,7 +56,11 @@ class RolloutWindow:
         return batches, metrics | {"async/wait_s": time.perf_counter() - t0, "async/steps_ahead": len(self.pending)}
 
     def before_sync(self) -> None:
-        """The next version lands only once no rollout is generating: each step is sampled under one version."""
+        """The next version lands only once no rollout is generating: each step is sampled under one version.
+        With partial rollouts it lands while they generate (between two decode steps): a step started under
+        version ``v >= t - max_staleness`` only gets newer tokens, and ``take`` checks every sample's bound."""
+        if self.partial:
+            return
         for step in sorted(self.pending):
             self.done[step] = self._collect(step, untrained=self.version + 1)  # step self.version is trained
 

@@ -33,9 +33,36 @@ def test_staleness_zero_is_the_default_and_needs_nothing():
         (["async.max_staleness=1", *RESIDENT], "set trainer.rollout_correction=decoupled (or tis, mis, seq-mis)"),
         (["async.max_staleness=1", "trainer.rollout_correction=tis"], "set handoff.offload_train=none and"),
         (
-            ["async.max_staleness=1", "trainer.rollout_correction=tis", "async.partial_rollout=true", *RESIDENT],
-            "set async.partial_rollout=false",
+            [
+                "async.max_staleness=1",
+                "trainer.rollout_correction=tis",
+                "async.partial_rollout=true",
+                *RESIDENT,
+                "sync.transport=broadcast",
+            ],
+            "set sync.transport=tensor, or async.partial_rollout=false",
         ),
+        (
+            [
+                "async.max_staleness=1",
+                "trainer.rollout_correction=tis",
+                "async.partial_rollout=true",
+                *RESIDENT,
+                "sync.engine_staging=direct",
+            ],
+            "set sync.engine_staging=shadow",
+        ),
+        (
+            [
+                "async.max_staleness=1",
+                "trainer.rollout_correction=tis",
+                "async.partial_rollout=true",
+                *RESIDENT,
+                "rollout.engine=http",
+            ],
+            "set rollout.engine=embedded",
+        ),
+        (["async.partial_rollout=true"], "set async.max_staleness >= 1, or async.partial_rollout=false"),
         (["async.max_staleness=-1"], "async.max_staleness = -1 must be >= 0"),
     ],
 )
@@ -55,3 +82,13 @@ def test_quickstart_async_is_the_quickstart_at_staleness_2_with_truncated_weight
     same = apply_overrides(quickstart(), [*sets, "trainer.lr_min_ratio=0.1", *RESIDENT])
     assert cfg.to_dict() | {"recipe": "", "run_dir": ""} == same.to_dict() | {"recipe": "", "run_dir": ""}
     assert apply_overrides(cfg, ["async.max_staleness=0"]).async_.max_staleness == 0  # the sync arm, same settings
+
+
+def test_partial_rollouts_on_the_tensor_transport_are_accepted_and_refused_in_one_process(tmp_path):
+    from miles.colocated import Colocated
+
+    sets = ["async.max_staleness=1", "trainer.rollout_correction=tis", "async.partial_rollout=true", *RESIDENT]
+    cfg = apply_overrides(quickstart(), [*sets, "async.kv_on_update=recompute", f"run_dir={tmp_path}"])
+    assert cfg.async_.partial_rollout and cfg.async_.kv_on_update == "recompute"
+    with pytest.raises(ValueError, match="run on Ray"):
+        Colocated(cfg)

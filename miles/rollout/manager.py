@@ -42,6 +42,8 @@ class RolloutManager(UpdateCalls):
     manager.update_weights_from_bucket(handle, None); manager.set_weight_version(step + 1)
     """
 
+    update_pause = "in_place"  # the mode of the sync's hold around an update (pause_generation)
+
     @init_on_compute_thread("rollout-compute")  # built and run on one thread: see miles/threads.py
     def __init__(self, cfg: RunConfig, device: str = "cpu", *, sources: Callable, hosts: tuple = (), api_key: str = ""):
         """``sources(cfg, tokenizer, engines, rewards)`` makes the run's sample sources (miles.sources.make_sources):
@@ -50,6 +52,9 @@ class RolloutManager(UpdateCalls):
         or are launched beside this process."""
         heartbeat.name("rollout")  # under the stall watchdog: its stack file is rollout-<pid>.txt
         self.cfg = cfg
+        a = cfg.async_
+        if a.partial_rollout and a.kv_on_update == "recompute":
+            self.update_pause = "retract"  # in-flight updates recompute the rows' KV (pause_generation)
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
         self.tokenizer = load_tokenizer(cfg.model.tokenizer)
@@ -184,8 +189,15 @@ class RolloutManager(UpdateCalls):
     # ---- weight sync receive side (miles.sync.receiver): one transfer per process, applied to every engine ----
     # the calls every engine takes alike (miles.protocols.engine: Engine, Transactional), on each engine in order
     def pause_generation(self, mode: str = "in_place") -> None:
+        """The sync's hold around an update. Under async.partial_rollout with kv_on_update = 'recompute' its
+        in-place hold is a retract: the rows in flight go back to the queue and are prefilled again under the new
+        weights; it returns once no row holds KV state (miles.rollout.decode_loop)."""
+        if mode == "in_place":
+            mode = self.update_pause
         for e in self.engines:
             e.pause_generation(mode)
+        if mode == "retract":
+            wait_rows_back(self.engines)
 
     def continue_generation(self) -> None:
         for e in self.engines:
@@ -272,7 +284,7 @@ class RolloutManager(UpdateCalls):
         from miles.sync.in_place import InPlaceEndpoint
 
         if getattr(self, "_in_place", None) is None:
-            self._in_place = InPlaceEndpoint(self.engines)
+            self._in_place = InPlaceEndpoint(self.engines, hold=self)  # held as the sync holds: pause_generation
         return self._in_place.update(shared, version)
 
     def named_weights(self, engine: int = 0) -> dict[str, torch.Tensor]:
@@ -313,6 +325,24 @@ class RolloutManager(UpdateCalls):
         for owner in [f"engine/{i}" for i in range(len(self.engines))] if embedded else ["rollout"]:
             self.ledger.sample_process(owner)
         return self.ledger.drain()
+
+
+RETRACT_WAIT_S = 30.0  # how long a retract waits for the rows in flight to go back to the queue
+
+
+def wait_rows_back(engines, timeout_s: float = RETRACT_WAIT_S) -> None:
+    """Wait until no embedded engine's decode loop holds a row with KV state (after a retract pause; an HTTP
+    engine's server waits itself before it answers the pause)."""
+    deadline = time.monotonic() + timeout_s
+    for i, e in enumerate(engines):
+        while isinstance(e, EmbeddedEngine) and not e.loop.holds_no_rows:
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"engine {i}: the rows in flight did not go back to the queue within {timeout_s:g} s of a "
+                    "retract pause (its decode loop is stuck in a step); set async.kv_on_update=keep to update "
+                    "without retracting"
+                )
+            time.sleep(0.005)
 
 
 def write_data_state(directory: str, state: dict | None) -> None:

@@ -86,7 +86,8 @@ class TaskSource:
             s.response_ids, s.rollout_log_probs = o.output_ids, o.output_log_probs
             s.finish_reason, s.weight_version, s.token_versions = o.finish_reason, o.weight_version, token_versions(o)
             s.response_text = self.tokenizer.decode([t for t in o.output_ids if t not in stop])
-        return samples, {"time/generate": t_gen}
+        # rows an in-flight update sent back to be prefilled again (async.kv_on_update = recompute)
+        return samples, {"time/generate": t_gen, "async/retractions": sum(o.retractions for o in outs)}
 
     def score(self, samples: list[Sample], step: int) -> dict[str, float]:
         jobs = [Job(self.task.reward, s.prompt, s.response_text, s.target) for s in samples]

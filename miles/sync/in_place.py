@@ -259,19 +259,22 @@ class InPlaceEndpoint:
     """What an engine process (an EmbeddedEngine actor, a RolloutManager) keeps for in-place updates of its
     ``engines``: the opened handles and, once a trainer asked for it, a doorbell that runs the same update."""
 
-    def __init__(self, engines: list):
+    def __init__(self, engines: list, hold=None):
+        """``hold``: what pauses and continues generation around an update (default each engine; a RolloutManager
+        passes itself, whose pause follows async.kv_on_update)."""
         self.engines, self.opened = engines, OpenedWeights()
+        self.holds = [hold] if hold is not None else engines
         self.doorbell: Doorbell | None = None
         self._one = threading.Lock()  # a Ray call and a ring never update at once
 
     def update(self, shared: SharedWeights, version: int) -> dict:
         with self._one:
-            for e in self.engines:
+            for e in self.holds:
                 e.pause_generation()
             try:
                 phases = receive_in_place(shared, self.opened, self.engines, version)
             finally:
-                for e in self.engines:
+                for e in self.holds:
                     e.continue_generation()
         if shared.doorbell:
             if self.doorbell is None:
