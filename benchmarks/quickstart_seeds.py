@@ -9,6 +9,7 @@ train/inference mismatch. The bar (issue 22): gain >= 0.3 for every seed, median
 
     miles bench quickstart-seeds --json                       # seeds 0-4
     miles bench quickstart-seeds --seeds 0,1 --set trainer.lr=2e-3
+    miles bench quickstart-seeds --recipe quickstart_lora --seeds 0,1,2 --in-process   # LoRA rank 4
 """
 
 from __future__ import annotations
@@ -25,10 +26,17 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 
-def run_seed(seed: int, overrides: list[str], timeout: int, in_process: bool = False, attempts: int = 3) -> dict:
+def run_seed(
+    seed: int,
+    overrides: list[str],
+    timeout: int,
+    in_process: bool = False,
+    attempts: int = 3,
+    recipe: str = "quickstart",
+) -> dict:
     for attempt in range(attempts):
         try:
-            return _run_seed(seed, overrides, timeout, in_process)
+            return _run_seed(seed, overrides, timeout, in_process, recipe)
         except RayStartTimeout:  # Ray's fixed 30 s node-registration wait, on a loaded machine; the run is not at fault
             if attempt == attempts - 1:
                 raise
@@ -38,15 +46,15 @@ class RayStartTimeout(RuntimeError):
     pass
 
 
-def _run_seed(seed: int, overrides: list[str], timeout: int, in_process: bool) -> dict:
+def _run_seed(seed: int, overrides: list[str], timeout: int, in_process: bool, recipe: str) -> dict:
     with tempfile.TemporaryDirectory(prefix=f"miles-qs-seed{seed}-") as tmp:
         run_dir = Path(tmp) / "run"
         if in_process:
             run_dir.mkdir()
             cmd = [sys.executable, "-m", "benchmarks.quickstart_seeds", "--in-process-seed", str(seed), str(run_dir)]
-            cmd += overrides
+            cmd += ["--recipe", recipe, *overrides]
         else:
-            cmd = [sys.executable, "-m", "miles.cli", "train", "--recipe", "quickstart", "--no-progress", "--set"]
+            cmd = [sys.executable, "-m", "miles.cli", "train", "--recipe", recipe, "--no-progress", "--set"]
             cmd += [f"seed={seed}", f"run_dir={run_dir}", "resume=false", *overrides]
         load_before = os.getloadavg()[0]
         t0 = time.perf_counter()
@@ -80,7 +88,7 @@ def _run_seed(seed: int, overrides: list[str], timeout: int, in_process: bool) -
     }
 
 
-def in_process_rewards(seed: int, overrides: list[str]) -> list[dict]:
+def in_process_rewards(seed: int, overrides: list[str], recipe: str = "quickstart") -> list[dict]:
     """The quickstart's RL loop without Ray (``--in-process``, for a machine where Ray cannot start in its fixed
     30 s): the same RolloutManager and TorchBackend calls as the driver (warm-up, sync, generate, train_step with
     the step, sync), one torch thread, no handoff (it moves memory, not numbers)."""
@@ -88,26 +96,28 @@ def in_process_rewards(seed: int, overrides: list[str]) -> list[dict]:
 
     from miles.config import apply_overrides
     from miles.policy.objective import resolved_trainer
-    from miles.recipes import quickstart
+    from miles.recipes import get_recipe
     from miles.rollout.manager import RolloutManager
     from miles.sources import make_sources
     from miles.train.torch_backend import TorchBackend
 
     torch.set_num_threads(1)
-    cfg = apply_overrides(quickstart(), [f"seed={seed}", *overrides])
+    cfg = apply_overrides(get_recipe(recipe), [f"seed={seed}", *overrides])
     manager = RolloutManager(cfg, sources=make_sources)
     trainer = TorchBackend(
         cfg.model, resolved_trainer(cfg), seed=seed, temperature=cfg.rollout.temperature, offload_policy="none"
     )
 
     def sync(version: int) -> None:
-        weights = list(trainer.named_weights())
+        weights = list(trainer.weights_to_sync())  # with model.lora.warmup = base: the warmed-up base once
         for engine in manager.engines:
             engine.update_weights_from_tensor(weights, version)
+        trainer.weights_synced()
 
     trainer.set_lr(cfg.trainer.warmup_sft_lr)
     for i in range(cfg.trainer.warmup_sft_steps):
         trainer.sft_step(manager.sft_batches(i)[0])
+    trainer.end_warmup()  # with model.lora.warmup = base: the base it trained is frozen (else nothing)
     trainer.set_lr(cfg.trainer.lr)
     sync(0)
     rows = []
@@ -143,12 +153,14 @@ def run(argv: list[str]) -> dict:
         help="runs at a time (default 1: one after the other, so wall times are comparable; more shares the cores)",
     )
     ap.add_argument("--in-process", action="store_true", help="the loop without Ray (see in_process_rewards)")
+    ap.add_argument("--recipe", default="quickstart", help="the recipe every run starts from (e.g. quickstart_lora)")
     args = ap.parse_args(argv)
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     with ThreadPoolExecutor(args.parallel) as pool:
-        runs = list(pool.map(lambda s: run_seed(s, args.set, args.timeout, args.in_process), seeds))
+        runs = list(pool.map(lambda s: run_seed(s, args.set, args.timeout, args.in_process, recipe=args.recipe), seeds))
     gains = [r["gain"] for r in runs]
     return {
+        "recipe": args.recipe,
         "overrides": args.set,
         "parallel": args.parallel,
         "mode": "in-process (no Ray, 1 torch thread)" if args.in_process else "miles train (Ray)",
@@ -164,9 +176,12 @@ def run(argv: list[str]) -> dict:
 
 if (
     __name__ == "__main__"
-):  # one in-process seed: python -m benchmarks.quickstart_seeds --in-process-seed S DIR [overrides]
+):  # one in-process seed: python -m benchmarks.quickstart_seeds --in-process-seed S DIR [--recipe R] [overrides]
     _, flag, seed_arg, out_dir, *extra = sys.argv
     assert flag == "--in-process-seed"
+    name = "quickstart"
+    if extra[:1] == ["--recipe"]:
+        name, extra = extra[1], extra[2:]
     with open(Path(out_dir) / "metrics.jsonl", "w") as out:
-        for row in in_process_rewards(int(seed_arg), extra):
+        for row in in_process_rewards(int(seed_arg), extra, name):
             out.write(json.dumps(row) + "\n")

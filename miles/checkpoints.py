@@ -25,6 +25,8 @@ log = logging.getLogger("miles")
 DATA_FILES = ("model.safetensors", "optimizer.pt")
 ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json", "optimizer.pt")  # a LoRA run's (PEFT format)
 CHECKPOINT_FILES = (*DATA_FILES, "state.json")
+BASE_DIR = "base"  # in a LoRA checkpoint: the base its warm-up trained (model.lora.warmup = "base"), a HF checkpoint
+BASE_FILES = (f"{BASE_DIR}/model.safetensors", f"{BASE_DIR}/config.json")
 STEP_DIR = re.compile(r"step_(\d+)")
 HASH_CHUNK = 8 << 20
 
@@ -136,8 +138,10 @@ def checkpoint_problem(d: Path) -> str:
 
 
 def data_files(d: Path) -> tuple[str, ...]:
-    """The files a checkpoint holds besides state.json: a LoRA adapter's when its weights file is there."""
-    return ADAPTER_FILES if (d / ADAPTER_FILES[0]).is_file() else DATA_FILES
+    """The files a checkpoint holds besides state.json: a LoRA adapter's when its weights file is there, and the
+    base a warm-up trained when base/ is there."""
+    files = ADAPTER_FILES if (d / ADAPTER_FILES[0]).is_file() else DATA_FILES
+    return files + BASE_FILES if (d / BASE_DIR).is_dir() else files
 
 
 def _legacy_problem(d: Path) -> str:

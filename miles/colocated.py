@@ -203,9 +203,10 @@ class LocalTrainer:
         return [self.co.backend.onload(tuple(tags))]
 
     def update_weights(self, version: int | None) -> list[dict]:
-        named = list(self.co.backend.named_weights())
+        named = list(self.co.backend.weights_to_sync())
         for e in self.co.manager.engines:
             e.update_weights_from_tensor(named, version)
+        self.co.backend.weights_synced()
         return [{}]
 
     def train(self, batches, want_log_probs: bool = False, step: int | None = None) -> list[tuple[dict, dict]]:
@@ -219,6 +220,9 @@ class LocalTrainer:
 
     def set_lr(self, lr: float) -> list:
         return [self.co.backend.set_lr(lr)]
+
+    def end_warmup(self) -> list:
+        return [self.co.backend.end_warmup()]
 
     def named_weights(self) -> list[dict]:
         return [{k: v.detach().cpu().clone() for k, v in self.co.backend.named_weights()}]

@@ -96,6 +96,8 @@ def warmup(cfg: RunConfig, c: Cluster | Colocated, book: "Bookkeeper") -> None:
         batches = c.sft_batches(i)
         m = c.trainer.sft(batches, lr=cfg.trainer.warmup_sft_lr)[0]
         book.run_dir.append_metrics({"phase": "sft", "sft_step": i, **m})
+    if n and cfg.model.lora.warmup == "base":  # the base it trained is frozen; RL trains the adapters on it
+        c.trainer.end_warmup()
     if n:
         c.trainer.set_lr(cfg.trainer.lr)
 

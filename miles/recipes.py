@@ -77,6 +77,24 @@ def quickstart() -> RunConfig:
     )
 
 
+def quickstart_lora() -> RunConfig:
+    """The quickstart with rank-4 LoRA: the supervised warm-up fine-tunes the random-init base (every weight,
+    adapters off), then the base is frozen and RL trains only the adapters on it, as LoRA RL starts from an SFT'd
+    model. The engines receive the warmed-up base once, then the adapters at every sync; checkpoints hold the
+    adapter in PEFT's format with the base beside it (base/). Warming up the adapters alone does not learn here:
+    the frozen random embeddings and head keep the warm-up's loss above 3.2 after 100 steps at any rank (0.95 with
+    them trained, the full model's 0.99), and RL then has nothing to improve (reward 0.011 -> 0.012). Seeds and lr:
+    BENCHMARKS.md."""
+    d = quickstart().to_dict()
+    d.update(recipe="quickstart_lora", run_dir="runs/quickstart_lora")
+    d["model"]["lora"] = {"rank": 4, "warmup": "base"}
+    d["trainer"].update(lr=LORA_LR)
+    return RunConfig.from_dict(d)
+
+
+LORA_LR = 1e-3  # quickstart_lora's RL lr (measured: BENCHMARKS.md)
+
+
 def trl_parity() -> RunConfig:
     """The configuration of the TRL comparison: a 3.2M-parameter Qwen2, 32 completions of up to 32 tokens per step."""
     cfg = quickstart()
@@ -398,6 +416,7 @@ def smollm2_tools() -> RunConfig:
 
 RECIPES = {
     "quickstart": quickstart,
+    "quickstart_lora": quickstart_lora,
     "trl_parity": trl_parity,
     "h200_100m": h200_100m,
     "smollm2": smollm2,

@@ -37,10 +37,14 @@ def main(argv: list[str]) -> int:
 
 
 def base_of(adapter_dir: Path, lora, base: str, run_config: str):
-    """(the base's model config with ``lora``, the seed of its random init): from ``--base``, the base the adapter
-    names, or the config.json of the run that saved it (run_dir/config.json above checkpoints/step_N)."""
+    """(the base's model config with ``lora``, the seed of its random init): from ``--base``, the base a warm-up
+    trained (the checkpoint's base/, model.lora.warmup = base), the base the adapter names, or the config.json of the
+    run that saved it (run_dir/config.json above checkpoints/step_N)."""
+    from miles.checkpoints import BASE_DIR
     from miles.model.merged_export import hf_base_config, named_base
 
+    if not base and (adapter_dir / BASE_DIR / "config.json").is_file():
+        base = str(adapter_dir / BASE_DIR)
     base = base or ("" if run_config else named_base(adapter_dir))
     if base:
         return hf_base_config(base, lora), 0

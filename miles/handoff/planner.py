@@ -61,6 +61,9 @@ class Sizes:
     grads_persist: bool  # a megatron-style grad buffer stays allocated until clear_memory / offload
     build_transient: int = 0  # extra device bytes while one model copy is built (the decoder starts in FP32)
     model: dict = field(default_factory=dict)  # what was sized (name, parameters, active, ...)
+    # with model.lora.warmup = base: the warm-up's working set (the base's grads and AdamW state, made and dropped
+    # inside it, and its activations); None: the warm-up's is a train step's
+    warmup_transient: int | None = None
 
 
 @dataclass(slots=True)
@@ -175,7 +178,9 @@ def _decoder_sizes(cfg: RunConfig, cuda_graphs: bool = False) -> Sizes:
         tags[("engine", "cuda_graph")] = TagSize("engine", "cuda_graph", graphs, "discard")
     if t.kl_coef and not m.lora.enabled:
         tags[("trainer", "ref")] = TagSize("trainer", "ref", params, train_pol)
+    base_warmup = None
     if m.lora.enabled:  # the base frozen and resident on both sides; adapters (FP32) train, sync and move
+        base_warmup = sum(params)  # with model.lora.warmup = base, what the warm-up trains
         tags, params = _lora_tags(tags, params, m, r.num_engines, train_pol, eng_pol), tuple(adapter_storages(m))
     act = _activation_bytes(
         cfg,
@@ -187,6 +192,9 @@ def _decoder_sizes(cfg: RunConfig, cuda_graphs: bool = False) -> Sizes:
         m.vocab_size,
         {"float32": 4}.get(m.dtype, 2),
     )
+    warmup = None
+    if m.lora.enabled and m.lora.warmup == "base":  # grads + AdamW's two moments of the base, a full model's step
+        warmup = 3 * base_warmup + max(act, base_warmup)
     act += lora_activation_bytes(cfg) if m.lora.enabled else 0
     # grads (model dtype) live through the step; on top of them either the activations (forward/backward) or the
     # foreach AdamW's one parameter-sized temporary (sqrt of the second moment) during optimizer.step
@@ -197,7 +205,9 @@ def _decoder_sizes(cfg: RunConfig, cuda_graphs: bool = False) -> Sizes:
     model = {"name": f"embedded {m.architecture}", "parameters": n, "dtype": m.dtype, "exact": t.precision == "bf16"}
     if m.lora.enabled:
         model |= {"lora_rank": m.lora.rank, "adapter_parameters": sum(params) // 4}
-    return Sizes(tags, transient, grads_persist=megatron, build_transient=fp32_first, model=model)
+    return Sizes(
+        tags, transient, grads_persist=megatron, build_transient=fp32_first, model=model, warmup_transient=warmup
+    )
     # quantized workspaces of the torch backend are not sized here
 
 
@@ -395,6 +405,8 @@ def _apply(st: _State, phase: str, s: Step, hw, rpn: int, sync_bucket: int) -> P
         for k, t in st.sizes.tags.items():
             if t.owner == "trainer":
                 st.created[k], st.resident[k] = not t.lazy, True
+    elif s.verb == "warmup" and st.sizes.warmup_transient is not None:  # the base trains; the adapters' state waits
+        moved, transient = {}, st.sizes.warmup_transient
     elif s.verb == "warmup":  # supervised steps: a train step's working set, its lazy state created
         row = _train(st, hw, rpn)
         row.phase, row.step = phase, str(s)

@@ -57,7 +57,15 @@ class TrainerBackend(Protocol):
         ...
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The weights by Hugging Face name (what a weight sync sends)."""
+        """What trains, by Hugging Face name (every weight, or the LoRA adapters)."""
+        ...
+
+    def weights_to_sync(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """What the next weight sync sends: ``named_weights``, plus a warmed-up LoRA base once."""
+        ...
+
+    def weights_synced(self) -> None:
+        """The engines now hold what ``weights_to_sync`` gave."""
         ...
 
     def state_dict(self) -> dict:

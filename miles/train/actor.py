@@ -96,7 +96,8 @@ class TrainActor:
 
     @on_compute_thread
     def update_weights(self, version: int) -> dict:
-        self.sync.update(self.backend.named_weights(), version)
+        self.sync.update(self.backend.weights_to_sync(), version)
+        self.backend.weights_synced()
         return self.sync.metrics()
 
     @on_compute_thread
@@ -112,6 +113,10 @@ class TrainActor:
 
     def set_lr(self, lr: float) -> None:
         self.backend.set_lr(lr)
+
+    @on_compute_thread
+    def end_warmup(self) -> None:
+        self.backend.end_warmup()
 
     @on_compute_thread
     def offload(self, tags) -> int:
@@ -208,6 +213,10 @@ class TrainGroup:
 
     def set_lr(self, lr: float) -> list:
         return self._all("set_lr", lr)
+
+    def end_warmup(self) -> list:
+        """After the supervised warm-up: with model.lora.warmup = base, each rank freezes the base it trained."""
+        return self._all("end_warmup")
 
     def build(self) -> list:
         """The plan's ``trainer.build`` step: each rank creates its model and optimizer (the actors themselves

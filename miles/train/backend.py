@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from miles.checkpoints import BASE_DIR
 from miles.config import RunConfig
 from miles.memory import MemoryLedger
 from miles.policy.objective import resolved_trainer
@@ -52,8 +53,11 @@ def sample_log_probs(backend, batch) -> dict[int, list[float]]:
 
 
 def write_checkpoint_files(directory: str, state: dict) -> None:
-    """model.safetensors, or for LoRA the PEFT adapter (adapter_config.json + adapter_model.safetensors); and
-    optimizer.pt."""
+    """model.safetensors, or for LoRA the PEFT adapter (adapter_config.json + adapter_model.safetensors) and, when
+    a warm-up trained the base, that base as a Hugging Face checkpoint in base/ (config.json + model.safetensors: what
+    ``peft`` loads the adapter onto and ``miles export --merged`` merges into); and optimizer.pt."""
+    import json
+
     from safetensors.torch import save_file
 
     if "adapter_config" in state:
@@ -62,6 +66,11 @@ def write_checkpoint_files(directory: str, state: dict) -> None:
         save_adapter(directory, state["model"], state["adapter_config"])
     else:
         save_file({k: v.contiguous() for k, v in state["model"].items()}, str(Path(directory) / "model.safetensors"))
+    if "base" in state:
+        base = Path(directory) / BASE_DIR
+        base.mkdir(exist_ok=True)
+        save_file({k: v.contiguous() for k, v in state["base"].items()}, str(base / "model.safetensors"))
+        (base / "config.json").write_text(json.dumps(state["base_config"], indent=2))
     torch.save(state["optimizer"], Path(directory) / "optimizer.pt")
 
 
@@ -87,4 +96,7 @@ def read_checkpoint_files(directory: str) -> dict:
             f"{path} holds objects other than tensors and plain containers, so it is not loaded (weights_only=True; "
             f"{first}). Resume only from checkpoints written by miles train, or delete that checkpoint directory"
         ) from None
-    return {"model": model, "optimizer": optim}
+    state = {"model": model, "optimizer": optim}
+    if (Path(directory) / BASE_DIR / "model.safetensors").is_file():
+        state["base"] = load_file(str(Path(directory) / BASE_DIR / "model.safetensors"))
+    return state

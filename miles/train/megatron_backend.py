@@ -351,6 +351,9 @@ class MegatronBackend(TorchBackend):
         for name, t in megatron_to_hf(self._megatron_weights(), self.model_cfg):
             yield name, t.to(dtype).contiguous()
 
+    def weights_to_sync(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return self.named_weights()  # no LoRA here (refused by the config): every sync sends every weight
+
     def state_dict(self) -> dict:
         return {
             "model": {k: v.cpu().clone() for k, v in self.named_weights()},

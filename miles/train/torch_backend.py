@@ -4,11 +4,14 @@ A ``miles.protocols.trainer.TrainerBackend`` (train_step, sft_step, forward_logp
 state_dict/load_state_dict, and offload/onload by tag through a TaggedMemory, clear_memory). Tags: ``params``,
 ``grads``, ``optimizer`` (``ref`` when KL is on). With LoRA (``model.lora.rank``): ``params`` are the adapters, the
 frozen base is ``base`` (never moved by the handoff plan), and the KL reference is the base itself, adapters off
-(miles.model.lora), with no ``ref`` copy.
+(miles.model.lora), with no ``ref`` copy. With ``model.lora.warmup = "base"`` the supervised warm-up fine-tunes the
+base (adapters off, an optimizer of its own), ``end_warmup`` freezes it again, and the next sync sends it once
+(``weights_to_sync``); checkpoints keep it from then on.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import math
@@ -85,6 +88,10 @@ class TorchBackend:
             apply_precision(self.model, cfg.precision)  # before the reference copy, so both are quantized alike
         self.lora = model_cfg.lora.enabled  # the base frozen, the adapters train (miles.model.lora)
         # the KL reference: a frozen copy of the initial model, or with LoRA the base itself (adapters_disabled)
+        self.base_warmup = self.lora and model_cfg.lora.warmup == "base"
+        self.base_trained = False  # the base is no longer the one the config builds (a base warm-up, or a checkpoint)
+        self.base_unsent = False  # ... and the engines, built from the config, do not hold it yet
+        self._adapter_optimizer = None  # set aside while the base warm-up's optimizer is self.optimizer
         copy_ref = cfg.kl_coef and not self.lora
         self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False) if copy_ref else None
         if world_size > 1:
@@ -235,13 +242,37 @@ class TorchBackend:
             return self._token_log_probs(self.model, tokens_NL)[0]
 
     def sft_step(self, batch: TrainBatch) -> dict[str, float]:
-        """One supervised step on the response tokens (cross-entropy), e.g. for a warm-up before RL."""
+        """One supervised step on the response tokens (cross-entropy), e.g. for a warm-up before RL. With
+        ``model.lora.warmup = "base"`` (until ``end_warmup``) it fine-tunes the base, adapters off."""
+        if self.base_warmup and not self.base_trained and self._adapter_optimizer is None:
+            self._start_base_warmup()
         self.model.train()
         tokens, mask = batch.tokens.to(self.device), batch.loss_mask.to(self.device)
-        lp, _ = self._token_log_probs(self.model, tokens)
+        base_only = adapters_disabled(self.model) if self._adapter_optimizer is not None else contextlib.nullcontext()
+        with base_only:
+            lp, _ = self._token_log_probs(self.model, tokens)
         loss = -masked_mean(lp, mask)
         loss.backward()
         return {"sft_loss": loss.item(), "grad_norm": self._optimizer_step("a supervised warm-up step", loss)}
+
+    def _start_base_warmup(self) -> None:
+        """The base trains (every weight but the adapters), under an optimizer of its own at the current lr."""
+        lr = self.optimizer.param_groups[0]["lr"]
+        for n, p in self.model.named_parameters():
+            p.requires_grad_(not is_adapter(n))
+        self._adapter_optimizer, self.optimizer = self.optimizer, self._build_optimizer()
+        self.set_lr(lr)
+
+    def end_warmup(self) -> None:
+        """After a base warm-up: the base frozen again, its optimizer state dropped, the adapters' optimizer back
+        (no step taken yet, so no state); the next ``weights_to_sync`` carries the base. Nothing to do otherwise."""
+        if self._adapter_optimizer is None:
+            return
+        self.optimizer.zero_grad(set_to_none=True)
+        for n, p in self.model.named_parameters():
+            p.requires_grad_(is_adapter(n))
+        self.optimizer, self._adapter_optimizer = self._adapter_optimizer, None
+        self.base_trained = self.base_unsent = True
 
     def _optimizer_step(self, where: str, loss: torch.Tensor) -> float:
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
@@ -279,8 +310,28 @@ class TorchBackend:
             yield name, t
 
     def trained_names(self) -> set[str]:
+        """What RL trains: every weight (a tied head once), or with LoRA the adapters (a base warm-up included)."""
         tied = self.model_cfg.tie_word_embeddings
+        if self.lora:
+            return {n for n, _ in self.model.named_parameters() if is_adapter(n)}
         return {n for n, p in self.model.named_parameters() if p.requires_grad and not (tied and n == "lm_head.weight")}
+
+    def named_base(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """With LoRA: the frozen base's weights under HF names (a tied head once)."""
+        tied = self.model_cfg.tie_word_embeddings
+        for name, p in self.model.named_parameters():
+            if not is_adapter(name) and not (tied and name == "lm_head.weight"):
+                yield name, p.detach()
+
+    def weights_to_sync(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """What the next sync sends: ``named_weights``, and once after a base warm-up (or a resume from one) the
+        base as well; ``weights_synced`` records that the engines hold it."""
+        yield from self.named_weights()
+        if self.base_unsent:
+            yield from self.named_base()
+
+    def weights_synced(self) -> None:
+        self.base_unsent = False
 
     def state_dict(self) -> dict:
         if self.optim_offloader is not None:
@@ -295,11 +346,25 @@ class TorchBackend:
             from miles.model.peft_format import adapter_config
 
             state["adapter_config"] = adapter_config(self.model_cfg)
+        if self.base_trained:  # the base a warm-up trained: written as a HF checkpoint beside the adapter (base/)
+            from dataclasses import replace
+
+            from miles.model.lora_config import LoRAConfig
+
+            state["base"] = {k: v.cpu().clone() for k, v in self.named_base()}
+            state["base_config"] = replace(self.model_cfg, lora=LoRAConfig(), checkpoint="").to_hf()
         return state
 
     def load_state_dict(self, state: dict) -> None:
         own = dict(self.model.named_parameters())
         check_checkpoint_names(set(state["model"]), self.trained_names(), self.model_cfg)
+        if self.lora:
+            check_checkpoint_base(state.get("base"), {n for n, _ in self.named_base()}, self.model_cfg)
+        with torch.no_grad():
+            for name, t in (state.get("base") or {}).items():
+                own[name].copy_(t)
+        if state.get("base"):
+            self.base_trained = self.base_unsent = True
         with torch.no_grad():
             for name, t in state["model"].items():
                 p = own[name]
@@ -365,6 +430,27 @@ def check_checkpoint_names(saved: set[str], trained: set[str], model_cfg: ModelC
         f"({len(trained)} tensors): {len(missing)} missing, e.g. {missing[:2]}; {len(extra)} unknown, e.g. "
         f"{extra[:2]}. Resume with the model.lora settings it was saved with, or start a new run_dir"
     )
+
+
+def check_checkpoint_base(saved: dict | None, base: set[str], model_cfg: ModelConfig) -> None:
+    """A LoRA checkpoint holds the base (base/) exactly when its run's warm-up trained it, or a ValueError."""
+    warmup = model_cfg.lora.warmup
+    if saved is None and warmup == "base":
+        raise ValueError(
+            "the checkpoint holds no base/ (its run's warm-up trained the adapters, model.lora.warmup=adapters) and "
+            "this run has model.lora.warmup=base: resume with model.lora.warmup=adapters, or start a new run_dir"
+        )
+    if saved is not None and warmup != "base":
+        raise ValueError(
+            "the checkpoint holds the base its warm-up trained (base/, model.lora.warmup=base) and this run has "
+            f"model.lora.warmup={warmup}: resume with model.lora.warmup=base, or start a new run_dir"
+        )
+    if saved is not None and set(saved) != base:
+        missing, extra = sorted(base - set(saved)), sorted(set(saved) - base)
+        raise ValueError(
+            f"the checkpoint's base/ does not fit this model: {len(missing)} tensors missing, e.g. {missing[:2]}; "
+            f"{len(extra)} unknown, e.g. {extra[:2]}. Resume with the model settings it was saved with"
+        )
 
 
 def _accumulate(acc: dict, new: dict, n: int) -> dict:

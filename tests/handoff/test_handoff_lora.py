@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from miles.handoff.plan import HandoffPlan
 from miles.handoff.planner import plan as predict
 from miles.model.lora_config import adapter_numel
 from tests.handoff.test_handoff_execution import executed_plan_steps, expected_steps, run, small_cfg
@@ -13,10 +14,19 @@ from tests.handoff.test_handoff_execution import executed_plan_steps, expected_s
 MOVERS = ("offload", "onload", "offload_kv", "onload_kv", "offload_weights", "onload_weights")
 
 
-@pytest.mark.parametrize("mode", ["cpu", "gpu"], ids=["cpu_order", "peak_on_device_order"])
-def test_with_lora_the_base_is_placed_once_and_every_step_moves_only_the_predicted_adapter_bytes(tmp_path, mode):
+@pytest.mark.parametrize(
+    "mode, warmup",
+    [("cpu", ""), ("gpu", ""), ("cpu", "model.lora.warmup=base")],
+    ids=["cpu_order", "peak_on_device_order", "base_warmup"],
+)
+def test_with_lora_the_base_is_placed_once_and_every_step_moves_only_the_predicted_adapter_bytes(
+    tmp_path, mode, warmup
+):
+    """With model.lora.warmup = base the warm-up trains the base where it lies and the sync writes it into the
+    engine's in place: still placed once per side, and no plan step moves it."""
     cfg = small_cfg(
         tmp_path,
+        *([warmup, "trainer.warmup_sft_steps=2"] if warmup else []),
         "model.lora.rank=2",
         f"handoff.colocate_memory_peak_device={mode}",
         "handoff.offload_rollout_level=kv_cache,weight",
@@ -24,7 +34,8 @@ def test_with_lora_the_base_is_placed_once_and_every_step_moves_only_the_predict
         "handoff.engine_host_mirror=true",
     )
     steps = 3
-    co, plan = run(cfg, tmp_path, steps=steps)
+    co, _ = run(cfg, tmp_path, steps=steps)
+    plan = HandoffPlan.from_config(cfg.handoff, warmup=cfg.trainer.warmup_sft_steps > 0)
     assert executed_plan_steps(co) == expected_steps(plan, steps)
     base_events = [e for e in co.events if e.tag == "base"]
     assert {e.owner.split("/")[0] for e in base_events} == {"trainer", "engine"}
@@ -65,3 +76,22 @@ def test_the_planner_fits_lora_on_one_h200_with_the_engine_where_full_fine_tunin
     base = lo.sizes.tags[("trainer", "base")].bytes
     assert lo.sizes.tags[("engine", "base")].bytes == base == fu.sizes.tags[("trainer", "params")].bytes
     assert plan(h200_llama3_8b_lora(), "h200", mode="cpu").fits_device  # the 8B recipe itself, as planned
+
+
+def test_a_base_warm_up_is_planned_as_a_full_fine_tuning_step_and_creates_no_adapter_state():
+    """model.lora.warmup = base: the warm-up row holds a full fine-tuning step's working set and the base's AdamW
+    moments (made and dropped inside it); the adapters' optimizer state is created by the first RL step."""
+    from miles.config import apply_overrides
+    from miles.model.size import decoder_storages
+    from miles.recipes import quickstart
+
+    def warmup_row(*overrides):
+        cfg = apply_overrides(quickstart(), ["handoff.hardware=cpu", *overrides])
+        return next(s for s in predict(cfg, "cpu", num_steps=1).steps if s.step == "trainer.warmup()"), cfg
+
+    full, _ = warmup_row()
+    adapters, _ = warmup_row("model.lora.rank=4")
+    base, cfg = warmup_row("model.lora.rank=4", "model.lora.warmup=base")
+    params = sum(decoder_storages(cfg.model)["params"])
+    assert base.transient_device == full.transient_device + 2 * params > adapters.transient_device
+    assert base.device == adapters.device - 2 * 4 * adapter_numel(cfg.model)  # no adapter AdamW state yet

@@ -46,6 +46,12 @@ def _perturbed(cfg: ModelConfig, seed: int = 0):
         ("model.lora.rank=4 trainer.precision=fp8", "use trainer.precision=bf16"),
         ("model.lora.rank=4 rollout.engine=sglang", "use rollout.engine=embedded or http"),
         ("model.lora.rank=4 model.lora.dropout=0.1 true_on_policy=true", "use model.lora.dropout=0"),
+        ("model.lora.rank=4 model.lora.warmup=full", "model.lora.warmup = 'full': use adapters"),
+        ("model.lora.warmup=base", "model.lora.rank = 0 (off)"),
+        ("model.lora.rank=4 model.lora.warmup=base trainer.warmup_sft_steps=0", "trainer.warmup_sft_steps >= 1"),
+        ("model.lora.rank=4 model.lora.warmup=base trainer.world_size=2", "start LoRA from it with model.checkpoint"),
+        ("model.lora.rank=4 model.lora.warmup=base trainer.optimizer_offload=host", "trainer.optimizer_offload=none"),
+        ("model.lora.rank=4 model.lora.warmup=base sync.transport=disk-delta", "use sync.transport=tensor"),
     ],
 )
 def test_bad_lora_settings_are_refused_with_the_value_and_the_fix(override, says):

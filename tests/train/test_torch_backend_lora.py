@@ -10,7 +10,7 @@ import torch
 from miles.config import TrainerConfig
 from miles.model.config import ModelConfig
 from miles.model.decoder import build_decoder
-from miles.model.lora import is_adapter
+from miles.model.lora import adapters_disabled, is_adapter
 from miles.model.lora_config import LoRAConfig
 from miles.policy.logprob import log_probs_and_entropy
 from miles.train.backend import read_checkpoint_files, write_checkpoint_files
@@ -92,3 +92,77 @@ def test_resuming_a_lora_run_from_a_full_checkpoint_or_the_reverse_is_refused_na
     other = TorchBackend(replace(CFG, lora=LoRAConfig(rank=4, target_modules=("q_proj",))), TrainerConfig())
     with pytest.raises(ValueError, match="Resume with the model.lora settings it was saved with"):
         other.load_state_dict(lora.state_dict())
+
+
+BASE_WARMUP = replace(CFG, lora=LoRAConfig(rank=4, warmup="base"))
+
+
+def _base_warmed(steps: int = 2) -> TorchBackend:
+    b = TorchBackend(BASE_WARMUP, TrainerConfig(lr=1e-2))
+    for i in range(steps):
+        b.sft_step(_batch(seed=20 + i))
+    b.end_warmup()
+    return b
+
+
+def test_a_base_warm_up_trains_every_base_weight_with_adapters_off_then_rl_trains_only_the_adapters():
+    b = TorchBackend(BASE_WARMUP, TrainerConfig(lr=1e-2))
+    base0 = {n: t.clone() for n, t in b.named_base()}
+    adapters0 = {n: t.clone() for n, t in b.named_weights()}
+    b.sft_step(_batch(seed=20))
+    assert {id(p) for p in b.optimizer.state} == {id(p) for n, p in b.model.named_parameters() if not is_adapter(n)}
+    b.sft_step(_batch(seed=21))
+    b.end_warmup()
+    warmed = {n: t.clone() for n, t in b.named_base()}
+    assert all(not torch.equal(base0[n], warmed[n]) for n in base0)  # embeddings and head included
+    assert all(torch.equal(adapters0[n], t) for n, t in b.named_weights())  # adapters off: untouched, B still 0
+    assert not b.optimizer.state  # the warm-up's optimizer state is dropped; the adapters' has taken no step
+    for step in range(2):
+        b.train_step(_batch(seed=step), step=step)
+    assert {id(p) for p in b.optimizer.state} == {id(p) for n, p in b.model.named_parameters() if is_adapter(n)}
+    assert all(torch.equal(warmed[n], t) for n, t in b.named_base())  # frozen from then on
+    tokens = _batch(seed=5).tokens  # and the KL reference is that warmed-up base, adapters off
+    with torch.no_grad(), adapters_disabled(b.model):
+        assert torch.equal(b._reference_log_probs(tokens)[:, 1:].reshape(-1), _log_probs(b.model, tokens))
+
+
+def test_an_adapters_warm_up_leaves_the_base_as_built():
+    b = TorchBackend(LORA, TrainerConfig(lr=1e-2))
+    base0 = {n: t.clone() for n, t in b.named_base()}
+    b.sft_step(_batch(seed=20))
+    b.end_warmup()
+    assert all(torch.equal(base0[n], t) for n, t in b.named_base())
+    assert not b.base_trained and [n for n, _ in b.weights_to_sync()] == [n for n, _ in b.named_weights()]
+
+
+def test_the_warmed_up_base_is_synced_once_then_only_the_adapters():
+    b = _base_warmed()
+    adapters, base = [n for n, _ in b.named_weights()], [n for n, _ in b.named_base()]
+    assert [n for n, _ in b.weights_to_sync()] == adapters + base
+    assert [n for n, _ in b.weights_to_sync()] == adapters + base  # not sent until the engines hold it
+    b.weights_synced()
+    b.train_step(_batch(seed=0), step=0)
+    assert [n for n, _ in b.weights_to_sync()] == adapters
+
+
+def test_a_checkpoint_after_a_base_warm_up_holds_the_base_as_a_hf_checkpoint_and_resumes_it(tmp_path):
+    a = _base_warmed()
+    a.weights_synced()
+    a.train_step(_batch(seed=0), step=0)
+    write_checkpoint_files(str(tmp_path), a.state_dict())
+    assert sorted(p.name for p in (tmp_path / "base").iterdir()) == ["config.json", "model.safetensors"]
+    b = TorchBackend(BASE_WARMUP, TrainerConfig(lr=1e-2))  # built from the seed: the base before the warm-up
+    b.load_state_dict(read_checkpoint_files(str(tmp_path)))
+    assert [n for n, _ in b.weights_to_sync()] == [n for n, _ in a.named_weights()] + [n for n, _ in a.named_base()]
+    for backend in (a, b):
+        backend.train_step(_batch(seed=9), step=1)
+    for (n, x), (m, y) in zip([*a.named_weights(), *a.named_base()], [*b.named_weights(), *b.named_base()]):
+        assert n == m and torch.equal(x, y)
+
+
+def test_resuming_across_the_two_warm_ups_is_refused_with_the_fix(tmp_path):
+    warmed, plain = _base_warmed(1), TorchBackend(LORA, TrainerConfig())
+    with pytest.raises(ValueError, match="resume with model.lora.warmup=base, or start a new run_dir"):
+        TorchBackend(LORA, TrainerConfig()).load_state_dict(warmed.state_dict())
+    with pytest.raises(ValueError, match="resume with model.lora.warmup=adapters, or start a new run_dir"):
+        TorchBackend(BASE_WARMUP, TrainerConfig()).load_state_dict(plain.state_dict())
