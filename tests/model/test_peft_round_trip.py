@@ -111,3 +111,32 @@ def test_export_merged_of_a_random_init_run_rebuilds_its_base_from_the_runs_conf
     with pytest.raises(ValueError, match="names no base model .* pass --base HF_DIR, or --run-config"):
         export(["--merged", str(step_dir), "--out", str(tmp_path / "again")])
     assert not (tmp_path / "again").exists()  # nothing half-written
+
+
+def test_a_checkpoint_after_a_base_warm_up_carries_its_base_which_peft_and_export_merged_load(tmp_path):
+    """model.lora.warmup = base: the checkpoint's base/ is a HF checkpoint of the warmed-up base; peft puts the
+    adapter on it and gives miles' logits, and export --merged merges into it (not into the seed's random init)."""
+    from miles.cli import main
+    from miles.model.lora import merged_state_dict
+    from miles.train.backend import build_backend
+    from tests.conftest import tiny_run_cfg
+
+    cfg = tiny_run_cfg(tmp_path, "model.lora.rank=2", "model.lora.warmup=base", "seed=7")
+    backend = build_backend(cfg, "cpu")
+    for i in range(2):
+        backend.sft_step(_batch(seed=10 + i))
+    backend.end_warmup()
+    for step in range(3):
+        backend.train_step(_batch(seed=step), step=step)
+    step_dir = tmp_path / "run" / "checkpoints" / "step_000003"
+    write_checkpoint_files(str(step_dir), backend.state_dict())
+    theirs = peft.PeftModel.from_pretrained(_hf(step_dir / "base", "float32"), step_dir).eval()
+    backend.model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(input_ids=IDS).logits.float(), backend.model(IDS).float(), atol=2e-5, rtol=0)
+    assert main(["export", "--merged", str(step_dir), "--out", str(tmp_path / "merged")]) == 0  # no run config needed
+    import safetensors.torch
+
+    got = safetensors.torch.load_file(tmp_path / "merged" / "model.safetensors")
+    want = merged_state_dict(backend.model)
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
