@@ -210,6 +210,9 @@ def report_table(report: PlanReport) -> str:
         lines.append("  * includes the step's working set on top of what it holds (the train step's, the sync bucket)")
     lines.append(f"  predicted handoff time: {report.handoff_seconds:.3f} s per RL step (moved bytes over the link)")
     what = "the LoRA adapters; the base is never sent" if ("engine", "base") in report.sizes.tags else "every weight"
+    if report.sizes.warmup_transient is not None:  # model.lora.warmup = base
+        base = _fmt(report.sizes.tags[("engine", "base")].bytes)
+        what = f"the LoRA adapters; the base the warm-up trained, {base}, once, at the first sync"
     lines.append(f"  weight sync: {_fmt(report.sync_bytes)} per GPU per RL step ({what})")
     return "\n".join(lines)
 
