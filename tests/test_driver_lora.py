@@ -1,6 +1,7 @@
 """A LoRA run whose warm-up trains the base (model.lora.warmup = base), end to end on real Ray actors: stopped by
 Ctrl-C and rerun, it ends where the same run uninterrupted ends (adapters, their optimizer state, the base, every
-step's metrics), so the resumed engines got the warmed-up base back and the warm-up did not run twice."""
+step's metrics), the engines sample from the warmed-up base (the trainer's and the engine's log-probs agree), and
+the warm-up did not run twice."""
 
 import json
 import os
@@ -54,6 +55,8 @@ def test_a_lora_run_stopped_by_ctrl_c_and_rerun_ends_where_the_uninterrupted_run
     assert [r.get("sft_step") for r in b if r.get("phase") == "sft"] == [0, 1, 2]  # the warm-up ran once
     rl_a, rl_b = [r for r in a if "step" in r], [r for r in b if "step" in r]
     assert [r["step"] for r in rl_b] == [0, 1, 2, 3]
+    # the engines sample from the trainer's policy: they hold the warmed-up base (sent once, and again on resume)
+    assert max(r["train_rollout_logprob_abs_diff"] for r in rl_a + rl_b) < 1e-4
     for x, y in zip(rl_a, rl_b):
         assert {k: x.get(k) for k in SAME} == {k: y.get(k) for k in SAME}
     (adapters_a, base_a, optim_a), (adapters_b, base_b, optim_b) = _checkpoint(whole.run_dir), _checkpoint(cut.run_dir)
