@@ -83,17 +83,15 @@ def quickstart_lora() -> RunConfig:
     model. The engines receive the warmed-up base once, then the adapters at every sync; checkpoints hold the
     adapter in PEFT's format with the base beside it (base/). Warming up the adapters alone does not learn here:
     the frozen random embeddings and head keep the warm-up's loss above 3.2 after 100 steps at any rank (0.95 with
-    them trained, the full model's 0.99), and RL then has nothing to improve (reward 0.011 -> 0.012). Measured over
-    seeds 0-2, 100 RL steps: gain +0.348, +0.259, +0.235 (full fine-tuning +0.415, +0.514, +0.359); lr 3e-3 does no
-    better, rank 32 gains +0.335, +0.325, +0.293 (``--set model.lora.rank=32``). BENCHMARKS.md."""
+    them trained, the full model's 0.99), and RL then has nothing to improve (reward 0.011 -> 0.012). RL's lr is 3x
+    the full model's with a cosine decay to 0.1x: over seeds 0-2 (100 RL steps) it gains +0.371, +0.345, +0.291,
+    where the full model's constant 1e-3 gives +0.348, +0.259, +0.235, 3e-3 constant +0.317, +0.246, +0.251, and
+    full fine-tuning +0.415, +0.514, +0.359 (BENCHMARKS.md)."""
     d = quickstart().to_dict()
     d.update(recipe="quickstart_lora", run_dir="runs/quickstart_lora")
     d["model"]["lora"] = {"rank": 4, "warmup": "base"}
-    d["trainer"].update(lr=LORA_LR)
+    d["trainer"].update(lr=3e-3, lr_schedule="cosine", lr_min_ratio=0.1)
     return RunConfig.from_dict(d)
-
-
-LORA_LR = 1e-3  # quickstart_lora's RL lr: the full model's; 3e-3 gained no more over seeds 0-2 (BENCHMARKS.md)
 
 
 def trl_parity() -> RunConfig:
