@@ -67,7 +67,7 @@ def train(
                         batches, rollout = book.generate(window, step)
                         moved = c.execute(plan.rollout_to_train, phase="rollout_to_train")
                         results = c.trainer.train(batches, want_log_probs=cfg.dump_rollouts, step=step)
-                        window.before_sync()  # no rollout generates across a sync
+                        window.before_sync()  # no rollout generates across a sync, unless async.partial_rollout
                         moved |= c.execute(plan.train_to_rollout, version=step + 1, phase="train_to_rollout")
                         book.record(step, rollout, results, moved, time.perf_counter() - t0)
                     else:
