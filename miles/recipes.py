@@ -325,29 +325,35 @@ def agent_swe() -> RunConfig:
 def quickstart_tools() -> RunConfig:
     """Tool use on CPU: a ~1M-parameter Qwen2-style decoder learns to call a calculator for products of two 2-digit
     numbers, which it cannot compute itself, through the calculator environment with SmolLM2's chat template over a
-    small BPE (miles.envs.toy_tokenizer: a call is ~12 tokens). A supervised warm-up on the environment's
-    demonstrations teaches the call format; RL, with per-turn partial credit for what the call and the answer copy in
-    place, then raises the share of episodes whose call copies the expression and whose answer copies the result
-    (return 1). Held-out: the calculator's level-0 test split (notebooks/14_tools.ipynb).
-    Measured (one thread, shared 2-core machine): an RL step is ~2.7 s of CPU (trainer ~60 %, engine ~22 %, the
-    environment, template and parser under 5 %), the whole run 112-130 s. The gain is seed-dependent: train-episode
-    return over the first -> last 5 RL steps 0.062 -> 0.192 (seed 0, tool calls 0.59 -> 0.87), 0.161 -> 0.199
-    (seed 1), 0.026 -> 0.028 (seed 2, whose warm-up left 0.28 calls per episode and RL took it further from the
-    tool). The digits are what it has not learnt: 40 warm-up steps copy none of them, and a longer warm-up does not
-    help (its loss sits at ~0.93 from step 50 to 100, the digits still uncopied)."""
+    small BPE (miles.envs.toy_tokenizer: a call is ~12 tokens). The supervised warm-up (60 steps) plays the
+    environment's demonstrations, a quarter of which call the tool and the rest answer at once (``demo_tool_share``:
+    the right number, which the model cannot compute), so it learns both formats and calls in ~0.1-0.2 of its
+    episodes; RL (20 steps), with per-turn partial credit for what the call and the answer copy in place, then
+    learns that the tool pays. Over the first -> last 5 RL steps, seeds 0-2: tool calls per episode 0.10 -> 0.72,
+    0.21 -> 0.84, 0.19 -> 0.89; return 0.047 -> 0.147, 0.078 -> 0.198, 0.077 -> 0.190 (`miles bench tools-seeds`,
+    BENCHMARKS.md; ~100 CPU-s per run on one thread). Held-out: the calculator's level-0 test split
+    (notebooks/14_tools.ipynb). What it does not learn in this budget is to copy the digits (pass rate ~0): a
+    supervised probe of this model on tool-using demonstrations predicts 0.18 of the digits after 150 steps (0.37
+    after 200 with 8 heads of 16), a slow climb (benchmarks/tools_copy_probe.py). Earlier settings: tool-using
+    demonstrations only (40 steps) left part of the calls malformed (return 0, below a direct answer's digits in
+    place), and RL moved seed 2 away from the tool (return 0.026 -> 0.028 over 30 RL steps; seed 0 0.062 -> 0.192);
+    half the demonstrations calling leaves calls at 0.5-0.7 after the warm-up and a return gain of +0.05-0.09. An RL
+    step is ~2.7 s of CPU (trainer ~60 %,
+    engine ~22 %, the environment, template and parser under 5 %)."""
     from miles.envs import calculator
     from miles.envs.toy_tokenizer import toy_tokenizer_dir
 
     tokenizer = toy_tokenizer_dir()
     train, test = calculator.splits(4000, n_test=64, levels=(0,))
     d = quickstart().to_dict()
-    d.update(recipe="quickstart_tools", run_dir="runs/quickstart_tools", num_steps=30, checkpoint_every=0)
+    d.update(recipe="quickstart_tools", run_dir="runs/quickstart_tools", num_steps=20, checkpoint_every=0)
     d["model"].update(tokenizer=f"hf:{tokenizer}", vocab_size=1024, max_position_embeddings=256)
     d["rollout"].update(
         num_prompts_per_step=16, n_samples_per_prompt=4, max_new_tokens=24, max_seq_len=256, max_batch_size=128
     )
-    d["trainer"].update(lr=1e-3, warmup_sft_steps=40, warmup_sft_lr=3e-3, num_minibatches=1, entropy_coef=0.0)
-    d["env"].update(name="calculator", args='{"describe": false, "partial_credit": true}', max_turns=3)
+    d["trainer"].update(lr=1e-3, warmup_sft_steps=60, warmup_sft_lr=3e-3, num_minibatches=1, entropy_coef=0.0)
+    args = '{"describe": false, "partial_credit": true, "demo_tool_share": 0.25}'
+    d["env"].update(name="calculator", args=args, max_turns=3)
     # trainer and engine side by side: on a CPU an offload to the host is a copy for nothing (~15% of a step)
     d["handoff"].update(offload_train="none", offload_rollout=False)
     d["data"].update(train=train, eval=test, reward="math")

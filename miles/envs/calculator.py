@@ -93,13 +93,24 @@ def _value(node) -> Fraction:
 class CalculatorEnv:
     """See the module docstring. One instance per episode."""
 
-    def __init__(self, tools: bool = True, max_calls: int = 4, describe: bool = True, partial_credit: bool = False):
+    def __init__(
+        self,
+        tools: bool = True,
+        max_calls: int = 4,
+        describe: bool = True,
+        partial_credit: bool = False,
+        demo_tool_share: float = 1.0,
+    ):
         """``partial_credit``: per-turn rewards for a tiny model's first steps (the CPU recipe): a call earns up to 0.5
         for the share of the expression's characters it copied in place, the answer 0.5 when right (else up to 0.4 for
         the digits in place); the return is 1 only for the right call and the right answer. Off: 1 for the right
-        answer, 0 otherwise."""
+        answer, 0 otherwise. ``demo_tool_share``: the share of demonstrations (``expert_reply``, the supervised
+        warm-up) that call the tool; the others answer at once, as a model that has not yet learnt the tool would
+        (which of the two is fixed by the expression, so one episode is one or the other)."""
+        if not 0.0 <= demo_tool_share <= 1.0:
+            raise ValueError(f"demo_tool_share = {demo_tool_share}; it is a share of demonstrations, from 0 to 1")
         self.tools, self.max_calls, self.schema = tools, max_calls, TOOL if describe else TOOL_SHORT
-        self.partial_credit = partial_credit
+        self.partial_credit, self.demo_tool_share = partial_credit, demo_tool_share
         self.answer, self.expression, self.calls = "", "", 0
 
     def reset(self, row: dict) -> tuple[list[dict], list[dict]]:
@@ -145,10 +156,12 @@ class CalculatorEnv:
 
     # ---- demonstrations (the supervised warm-up plays episodes with this instead of the model) ---------------
     def expert_reply(self, messages: list[dict], fmt) -> str:
-        """What a perfect tool user writes next: the call, then the number the tool gave."""
+        """What a perfect tool user writes next: the call, then the number the tool gave (or, for the demonstrations
+        outside ``demo_tool_share``, the right number at once)."""
         last = messages[-1]
-        if self.tools and last["role"] == "user":
-            expression = _EXPRESSION.search(last["content"]).group(1)
+        asked = next(m["content"] for m in messages if m["role"] == "user")
+        expression = _EXPRESSION.search(asked).group(1)
+        if self.tools and last["role"] == "user" and _share_point(expression) < self.demo_tool_share:
             return fmt.call_text(TOOL["function"]["name"], {"expression": expression})
         if last["role"] == "tool":
             return f"The answer is {last['content']}."
@@ -156,6 +169,11 @@ class CalculatorEnv:
 
 
 _EXPRESSION = re.compile(r"What is (.+?)\?")
+
+
+def _share_point(text: str) -> float:
+    """A fixed point in [0, 1) for ``text`` (the same in every process: not Python's salted hash)."""
+    return random.Random(f"demo/{text}").random()
 
 
 def _in_place(got: str, want: str) -> float:

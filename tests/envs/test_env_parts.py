@@ -76,6 +76,29 @@ def test_every_generated_problem_is_solved_by_its_expert_through_the_tool():
         assert env.step(HERMES.parse(env.expert_reply(messages + [call] + new, HERMES)))[1:3] == (1.0, True)
 
 
+def test_a_share_of_demonstrations_answers_without_the_tool_and_each_episode_is_one_or_the_other():
+    problems = rows(400, seed=7, levels=(0,))
+
+    def calls(share: float) -> list[bool]:
+        out = []
+        for row in problems:
+            env = CalculatorEnv(demo_tool_share=share)
+            messages, _ = env.reset(row)
+            first = HERMES.parse(env.expert_reply(messages, HERMES))
+            out.append(bool(first.get("tool_calls")))
+            if not first.get("tool_calls"):  # the answer at once is the right number
+                assert env.step(first)[1:3] == (1.0, True)
+        return out
+
+    assert all(calls(1.0)) and not any(calls(0.0))
+    half = calls(0.5)
+    assert 0.4 < sum(half) / len(half) < 0.6
+    assert calls(0.5) == half  # fixed by the problem, not drawn per call
+    assert all(a <= b for a, b in zip(calls(0.25), half))  # a larger share only adds calls
+    with pytest.raises(ValueError, match="demo_tool_share = 1.5"):
+        CalculatorEnv(demo_tool_share=1.5)
+
+
 def test_the_registry_loads_builtins_and_module_classes():
     assert env_class("calculator") is CalculatorEnv
     assert env_class("miles.envs.calculator:CalculatorEnv") is CalculatorEnv
