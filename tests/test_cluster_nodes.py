@@ -3,6 +3,8 @@
 an engine server on each, as on two machines: every actor runs where the plan put it (read back from the run's
 placement.jsonl and processes.jsonl), rank 1 rendezvouses at rank 0's node address, and the rewards and losses equal
 the single-node run's. Rank 0 sits on 127.0.0.2, so a rendezvous at the driver's 127.0.0.1 (the old code) is caught.
+The async split: quickstart_async with the rollout manager and its engine on one node and the trainer on the other
+runs ahead (staleness up to 2) and equals the same seed on one node, version for version and reward for reward.
 
 The failures: a node without the devices asked for, an address where no cluster answers (each refused before
 anything is launched), and a node killed mid-run: named with what ran on it, the checkpoints intact, and the run
@@ -45,8 +47,8 @@ TINY = [
 SPREAD = ["cluster.trainer_nodes=node_b,node_a", "cluster.rollout_node=node_a"]  # rank 0 on 127.0.0.2
 
 
-def _train(run_dir: Path, *sets: str, timeout_s: float = 600, wait: bool = True):
-    argv = [sys.executable, "-m", "miles.cli", "train", "--recipe", "quickstart"]
+def _train(run_dir: Path, *sets: str, timeout_s: float = 600, wait: bool = True, recipe: str = "quickstart"):
+    argv = [sys.executable, "-m", "miles.cli", "train", "--recipe", recipe]
     for s in [*TINY, *sets, f"run_dir={run_dir}"]:
         argv += ["--set", s]
     env = RayNodes.env()
@@ -121,6 +123,45 @@ def test_two_ranks_on_two_nodes_and_an_engine_on_each_run_where_the_plan_put_the
     assert sorted(curve) == [0, 1, 2, 3]
     assert curve == {s: single_node[s] for s in curve}  # rewards and losses equal the single-node run's
     print(f"\nplacement: {where}; rendezvous {at}; curve {curve}")
+
+
+# async: one trainer rank, the rollout manager with its one embedded engine (async.partial_rollout needs embedded)
+ASYNC = ["trainer.world_size=1", "rollout.engine=embedded", "rollout.num_engines=1", "sync.transport=broadcast"]
+ASYNC += ["num_steps=5", "dump_rollouts=true", "trainer.warmup_sft_steps=20"]
+
+
+def test_an_async_run_with_rollout_and_trainer_on_two_nodes_equals_it_on_one(nodes, tmp_path):
+    """quickstart_async (max_staleness=2): the rollout manager and its engine on the head, the trainer on 127.0.0.2;
+    generation for later steps runs on one node while the other trains, and the versions, staleness and rewards
+    equal the same seed with everything on the head."""
+    split, one = tmp_path / "split", tmp_path / "one"
+    at = f"cluster.address={nodes.address}"
+    runs = {
+        split: ["cluster.trainer_nodes=node_b", "cluster.rollout_node=node_a"],
+        one: ["cluster.trainer_nodes=node_a", "cluster.rollout_node=node_a"],
+    }
+    for run, pins in runs.items():
+        code, out = _train(run, at, *ASYNC, *pins, recipe="quickstart_async")
+        assert code == 0, out[-3000:]
+    placed = {r["owner"]: r for r in _rows(split, "placement.jsonl")}
+    head_ip = placed["rollout"]["node_ip"]
+    assert head_ip != B_IP
+    where = {owner: (r["pin"], r["node_ip"]) for owner, r in placed.items()}
+    assert where == {"trainer/0": ("node_b", B_IP), "rollout": ("node_a", head_ip), "engine/0": ("node_a", head_ip)}
+    samples = _rows(split, "processes.jsonl")
+    seen = {(s["owner"], s["node_id"]) for s in samples}  # the embedded engine's process is the manager's
+    assert seen == {(o, placed[o]["node_id"]) for o in ("trainer/0", "engine/0")}, seen
+    assert placed["engine/0"]["pid"] == placed["rollout"]["pid"] != placed["trainer/0"]["pid"]
+    rows = {run: [r for r in _rows(run, "metrics.jsonl") if "phase" not in r] for run in runs}
+    assert [r["step"] for r in rows[split]] == list(range(5))
+    stale = [r["async/staleness_max"] for r in rows[split]]
+    assert max(stale) <= 2 and max(stale) > 0, stale  # bounded, and generation really ran ahead of training
+    for key in ("weight_version", "async/staleness_max", "reward", "loss"):
+        assert [r[key] for r in rows[split]] == [r[key] for r in rows[one]], key
+    for step in range(5):  # each step's samples were generated under the version its row names
+        raw = (split / "rollouts" / f"step_{step:06d}" / "weight_versions.int32").read_bytes()
+        assert set(memoryview(raw).cast("i")) - {-1} == {rows[split][step]["weight_version"]}, step
+    print(f"\nasync split: {where}; staleness {stale}; rewards {[r['reward'] for r in rows[split]]}")
 
 
 def test_a_node_without_the_devices_asked_for_is_refused_before_anything_starts(nodes, tmp_path):
