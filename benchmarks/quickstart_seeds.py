@@ -61,7 +61,7 @@ def _run_seed(seed: int, overrides: list[str], timeout: int, in_process: bool, r
         err = Path(tmp) / "stderr"
         with open(err, "w") as f:
             proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=f)
-            _, status, usage = _wait(proc, timeout)
+            status, usage = wait_child(proc, timeout)
         wall = time.perf_counter() - t0
         if status:
             text = err.read_text()
@@ -130,15 +130,17 @@ def in_process_rewards(seed: int, overrides: list[str], recipe: str = "quickstar
     return rows
 
 
-def _wait(proc: subprocess.Popen, timeout: int):
+def wait_child(proc: subprocess.Popen, timeout: int, what: str = "`miles train`"):
+    """(exit status, rusage) of ``proc`` once it ends (its own CPU seconds, not this process's), or kill it and raise
+    a TimeoutError naming ``what`` after ``timeout`` s."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
         if pid:
-            return pid, status, usage
+            return status, usage
         time.sleep(0.5)
     proc.kill()
-    raise TimeoutError(f"`miles train` ran past {timeout} s")
+    raise TimeoutError(f"{what} ran past {timeout} s (--timeout)")
 
 
 def run(argv: list[str]) -> dict:

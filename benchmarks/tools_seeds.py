@@ -22,6 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.quickstart_seeds import wait_child
+
 K = 5  # RL steps averaged at each end
 
 
@@ -33,7 +35,7 @@ def run_seed(seed: int, overrides: list[str], timeout: int) -> dict:
         t0 = time.perf_counter()
         with open(Path(tmp) / "stderr", "w") as err:
             proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err)
-            status, usage = _wait(proc, timeout)
+            status, usage = wait_child(proc, timeout, "a quickstart_tools run")
         wall = time.perf_counter() - t0
         if status:
             raise RuntimeError(f"seed {seed}: `{' '.join(cmd)}` failed:\n{(Path(tmp) / 'stderr').read_text()[-3000:]}")
@@ -66,17 +68,6 @@ def figures(rows: list[dict]) -> dict:
     out["returns"] = [round(r["reward"], 4) for r in rl]
     out["tool_calls"] = [round(r["env/tool_calls"], 3) for r in rl]
     return out
-
-
-def _wait(proc: subprocess.Popen, timeout: int):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
-        if pid:
-            return status, usage
-        time.sleep(0.5)
-    proc.kill()
-    raise TimeoutError(f"a quickstart_tools run ran past {timeout} s (--timeout)")
 
 
 def run(argv: list[str]) -> dict:

@@ -223,9 +223,9 @@ class Cluster(PlanExecutor):
         self.watchdog = Watchdog(cfg.watchdog_s, cfg.run_dir, stop=self.abort)
         env = self.watchdog.env()  # the actors, and every process they start, register with it (miles.stall.heartbeat)
         self.engine_hosts = start_engine_hosts(cfg, self.device, env)  # servers on other nodes (cluster.engine_nodes)
-        manager = ray.remote(concurrency_groups={GENERATE_GROUP: 1})(RolloutManager) if partial else RolloutManager
+        remote = ray.remote(concurrency_groups={GENERATE_GROUP: 1}) if partial else ray.remote
         self.rollout = (
-            (manager if partial else ray.remote(manager))
+            remote(RolloutManager)
             .options(
                 num_cpus=0.01,
                 num_gpus=0.45 * gpu,
